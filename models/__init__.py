@@ -1,0 +1,1 @@
+"""The s3req model zoo: Llama-style and MoE decoders built from QuantLinear layers."""

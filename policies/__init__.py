@@ -1,0 +1,18 @@
+"""Rounding policies for s3req: threshold topologies composed with error corrections."""
+
+from ._correction import (
+    AbstractCorrection as AbstractCorrection,
+    DwOnlyEC as DwOnlyEC,
+    DxOnlyEC as DxOnlyEC,
+    NoEC as NoEC,
+    TwoWayEC as TwoWayEC,
+)
+from ._policy import PRESETS as PRESETS, Policy as Policy, preset as preset
+from ._topology import (
+    AbstractTopology as AbstractTopology,
+    Independent as Independent,
+    Nearest as Nearest,
+    Phi2D as Phi2D,
+    PhiBcast as PhiBcast,
+    Split as Split,
+)

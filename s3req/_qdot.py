@@ -1,0 +1,223 @@
+"""The quantized matmul `qdot` and its custom VJP (DESIGN.md section 3)."""
+
+import functools as ft
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Float, Int8, PRNGKeyArray
+
+from ._interfaces import AbstractPolicy
+from ._quantize import QMAX, absmax_scale, error_stats, gradient_step, round_to_int8, sr_codes
+from ._thresholds import Block
+
+
+MAX_TERMS = (2**31 - 1) // (QMAX * QMAX)
+"""Most int8 x int8 products an int32 accumulator can sum without overflow (133143)."""
+
+DW_CHUNK = 2**17
+"""Tokens per int32 partial sum when the dW contraction exceeds `MAX_TERMS`."""
+
+_F32 = jnp.float32
+_I32 = jnp.int32
+
+
+def _int_dot(a: Array, b: Array, contract: tuple, batch: tuple = ((), ())) -> Array:
+    return jax.lax.dot_general(a, b, (contract, batch), preferred_element_type=_I32)
+
+
+def _token_contraction(
+    xq: Int8[Array, "b s h"], q: Int8[Array, "b s d"]
+) -> Float[Array, "h d"]:
+    """`Xq^T Q` summed over batch and tokens, without int32 overflow.
+
+    Up to `MAX_TERMS` tokens this is one int8 GEMM with int32 accumulation. Beyond it, the
+    tokens are split into chunks of `DW_CHUNK`, each chunk's int32 partial is split into a high
+    and a low 16-bit part, the parts are summed in int32 (exact), and the result is
+    `hi * 2**16 + lo` rounded once to float32.
+    """
+    B, S, H = xq.shape
+    D = q.shape[-1]
+    n = B * S
+    if n <= MAX_TERMS:
+        return _int_dot(xq, q, ((0, 1), (0, 1))).astype(_F32)
+    k = -(-n // DW_CHUNK)
+    pad = k * DW_CHUNK - n
+    xc = jnp.pad(xq.reshape(n, H), ((0, pad), (0, 0))).reshape(k, DW_CHUNK, H)
+    qc = jnp.pad(q.reshape(n, D), ((0, pad), (0, 0))).reshape(k, DW_CHUNK, D)
+    part = _int_dot(xc, qc, ((1,), (1,)), ((0,), (0,)))
+    hi = jnp.sum(part >> 16, axis=0)
+    lo = jnp.sum(part & 0xFFFF, axis=0)
+    return hi.astype(_F32) * 65536.0 + lo.astype(_F32)
+
+
+def _forward(x, w, policy: AbstractPolicy):
+    sx = absmax_scale(x, axis=-1)  # (B, S, 1)
+    sw = absmax_scale(w, axis=0)  # (1, D)
+    xq = round_to_int8(x, sx)
+    wq = round_to_int8(w, sw)
+    acc = _int_dot(xq, wq, ((2,), (0,)))
+    y = (acc.astype(_F32) * sx * sw).astype(x.dtype)
+    ec = policy.correction
+    # Small factors for the error correction, from the forward pass (int32, exact).
+    xsum = jnp.sum(xq, axis=1, dtype=_I32) if ec.dw else None  # (B, H): S * xbar_b
+    rw = jnp.sum(wq, axis=1, dtype=_I32) if ec.dx_token else None  # (H,): W 1_D
+    return y, (xq, wq, sx, sw, xsum, rw)
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _qdot3(policy: AbstractPolicy, x, w, key):
+    return _forward(x, w, policy)[0]
+
+
+def _qdot3_fwd(policy: AbstractPolicy, x, w, key):
+    y, res = _forward(x, w, policy)
+    # Dtypes travel as zero-size arrays (numpy dtype objects cannot be residuals).
+    return y, (res, key, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+
+def quantize_gradient(
+    policy: AbstractPolicy, y: Float[Array, "b s d"], key: PRNGKeyArray | None, block: Block
+) -> tuple[Int8[Array, "b s d"], Int8[Array, "b s d"]]:
+    """The int8 codes of the scaled gradient `y = G'/delta` for the dX and the dW GEMM.
+
+    For topologies that quantize once both are the same array (one int8 tensor feeds both
+    GEMMs); otherwise they are rounded with two independent threshold tensors.
+    """
+    topology = policy.topology
+    if topology.quantizes_once():
+        th = topology.thresholds(key, block, "dx")  # pyright: ignore[reportArgumentType]
+        q = sr_codes(y, *th) if th is not None else sr_codes(y, None, 0)
+        return q, q
+    assert key is not None
+    kx, kw = jr.split(key)
+    out = []
+    for k, product in ((kx, "dx"), (kw, "dw")):
+        th = topology.thresholds(k, block, product)
+        out.append(sr_codes(y, *th) if th is not None else sr_codes(y, None, 0))
+    return out[0], out[1]
+
+
+def _qdot3_bwd(policy: AbstractPolicy, residuals, g):
+    (xq, wq, sx, sw, xsum, rw), key, x_like, w_like = residuals
+    B, S, D = g.shape
+    # Fold both scales into the gradient, one per-tensor step (float32 even for bf16 G).
+    gp = sx * g.astype(_F32) * sw
+    delta, inv = gradient_step(gp)
+    delta = eqx.error_if(
+        delta,
+        ~jnp.isfinite(delta),
+        "s3req.qdot: the upstream gradient contains NaN or Inf (check the loss and the "
+        "layers above this one).",
+    )
+    y = jnp.clip(gp * inv, -QMAX, QMAX)
+    q_dx, q_dw = quantize_gradient(policy, y, key, Block.whole((B, S, D)))
+
+    dx = _int_dot(q_dx, wq, ((2,), (1,))).astype(_F32)  # (B, S, H)
+    dw = _token_contraction(xq, q_dw)  # (H, D)
+
+    ec = policy.correction
+    if ec.dx_token or ec.dx_channel:
+        eps, a, m = error_stats(q_dx, y)
+        if ec.dx_token:
+            dx = dx - eps[..., None] * rw.astype(_F32)
+        if ec.dx_channel:
+            am = a - m[:, None]  # (B, D)
+            dx = dx - jnp.dot(am, wq.T.astype(_F32))[:, None, :]
+    if ec.dw:
+        eps, a, m = error_stats(q_dw, y)
+        am = a - m[:, None]
+        token_term = jnp.einsum("bsh,bs->h", xq.astype(_F32), eps)
+        dw = dw - jnp.dot(xsum.T.astype(_F32), am) - token_term[:, None]
+
+    dx = (delta * dx / sx).astype(x_like.dtype)
+    dw = (delta * dw / sw).astype(w_like.dtype)
+    return dx, dw, None
+
+
+_qdot3.defvjp(_qdot3_fwd, _qdot3_bwd)
+
+
+_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _check(x: Array, w: Array, policy: AbstractPolicy | None, key) -> None:
+    for name, arr in (("x", x), ("w", w)):
+        if not any(arr.dtype == d for d in _FLOATS):
+            raise TypeError(
+                f"s3req.qdot: `{name}` must be float32, bfloat16 or float16, got {arr.dtype}."
+            )
+    if w.ndim != 2:
+        raise ValueError(f"s3req.qdot: `w` must have shape (d_in, d_out), got {w.shape}.")
+    if not 1 <= x.ndim <= 3:
+        raise ValueError(
+            "s3req.qdot: `x` must have shape (batch, seq, d_in), (seq, d_in) or (d_in,), got "
+            f"{x.shape}. Fold extra leading axes into batch or seq, or use jax.vmap."
+        )
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(
+            f"s3req.qdot: x has {x.shape[-1]} input features but w expects {w.shape[0]} "
+            f"(x: {x.shape}, w: {w.shape})."
+        )
+    if any(n == 0 for n in x.shape + w.shape):
+        raise ValueError(f"s3req.qdot: empty operand (x: {x.shape}, w: {w.shape}).")
+    if policy is not None:
+        if max(w.shape) > MAX_TERMS:
+            raise ValueError(
+                f"s3req.qdot: feature dimensions above {MAX_TERMS} would overflow int32 "
+                f"accumulation, got w of shape {w.shape}."
+            )
+        if policy.stochastic and key is None:
+            raise ValueError(
+                f"s3req.qdot: policy {policy} rounds stochastically and needs a fresh "
+                "`key=` for every call (e.g. split the step key per layer)."
+            )
+
+
+def qdot(
+    x: Float[Array, "*batch d_in"],
+    w: Float[Array, "d_in d_out"],
+    *,
+    policy: AbstractPolicy | None,
+    key: PRNGKeyArray | None = None,
+) -> Float[Array, "*batch d_out"]:
+    """Quantized `x @ w` with an INT8 forward and an INT8 backward (DESIGN.md section 3).
+
+    Forward: per-token scales for `x`, per-output-channel scales for `w`, round to nearest even,
+    int8 x int8 GEMM with int32 accumulation, rescale. Only the int8 operands and the scales
+    are saved for the backward pass.
+
+    Backward: both scales are folded into the upstream gradient, which is rounded with one
+    per-tensor step and the thresholds of `policy.topology`; for every topology except
+    `Independent()` one int8 gradient feeds both the dX and the dW GEMM. `policy.correction`
+    then subtracts the structured part of the known rounding error (S3R-EC).
+
+    **Arguments:**
+
+    - `x`: activations `(batch, seq, d_in)`; `(seq, d_in)` is one example and `(d_in,)` one
+      token. float32, bfloat16 or float16.
+    - `w`: weights `(d_in, d_out)`.
+    - `policy`: a rounding policy, e.g. `Policy(Phi2D(), TwoWayEC())`, or `None` for a plain
+      float matmul (`w` is cast to the dtype of `x`).
+    - `key`: a fresh PRNG key for the backward thresholds. Keyword only; required when the
+      policy is stochastic.
+
+    **Returns:**
+
+    `x @ w` with the leading shape of `x` and the dtype of `x`.
+
+    Non-finite values in `x`, `w` or the upstream gradient raise an error (under `jax.jit`, an
+    `equinox` runtime error).
+    """
+    _check(x, w, policy, key)
+    if policy is None:
+        return jnp.matmul(x, w.astype(x.dtype))
+    x = eqx.error_if(
+        x, ~jnp.all(jnp.isfinite(x)), "s3req.qdot: the input x contains NaN or Inf."
+    )
+    w = eqx.error_if(w, ~jnp.all(jnp.isfinite(w)), "s3req.qdot: the weight contains NaN or Inf.")
+    lead = x.shape[:-1]
+    x3 = x.reshape((1,) * (3 - x.ndim) + x.shape)
+    y = _qdot3(policy, x3, w, key)
+    return y.reshape(lead + (w.shape[1],))

@@ -1,0 +1,89 @@
+"""The quantizers: per-row scales, round-to-nearest-even, stochastic rounding, error statistics.
+
+One implementation of the maths serves every policy: a topology only changes the threshold
+indices `t` handed to [`s3req.sr_codes`][], and a correction only changes which statistics of
+the known rounding error are subtracted after the GEMMs.
+"""
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, Int8
+
+
+QMAX = 127
+"""Largest int8 code used (the grid is symmetric: codes lie in [-127, 127])."""
+
+
+def absmax_scale(x: Float[Array, "..."], axis: int) -> Float[Array, "..."]:
+    """`max |x| / 127` along `axis` (kept as a size-1 axis), in float32; zero slices get 1.
+
+    A zero row or column gets scale 1, never 0, because the backward pass divides by it.
+    """
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=True)
+    return jnp.where(amax > 0, amax / QMAX, jnp.ones_like(amax))
+
+
+def round_to_int8(x: Float[Array, "..."], scale: Float[Array, "..."]) -> Int8[Array, "..."]:
+    """Round-to-nearest-even of `x / scale` to int8 codes (clipped to [-127, 127])."""
+    y = x.astype(jnp.float32) / scale
+    return jnp.clip(jnp.round(y), -QMAX, QMAX).astype(jnp.int8)
+
+
+def gradient_step(g: Float[Array, "..."]) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    """The per-tensor step `delta = max|g| / 127` and the multiplier `inv = 127 / max|g|`.
+
+    For an all-zero gradient `delta = 0` and `inv = 0`: every code is 0 and nothing is NaN.
+    """
+    amax = jnp.max(jnp.abs(g))
+    safe = jnp.where(amax > 0, amax, jnp.ones_like(amax))
+    inv = jnp.where(amax > 0, QMAX / safe, jnp.zeros_like(amax))
+    return amax / QMAX, inv
+
+
+def sr_codes(
+    y: Float[Array, "..."], t: Int[Array, "..."] | None, bits: int
+) -> Int8[Array, "..."]:
+    """Round `y` (in units of the step, |y| <= 127) to int8 codes.
+
+    With `t=None` this is round-to-nearest-even. Otherwise it is
+    $q = \\lfloor y + (t + 1/2)/2^{bits} \\rfloor$, computed in exact integer arithmetic:
+    with $z = \\lfloor 2^{bits+1} y \\rfloor$, $q = (z + 2t + 1) \\gg (bits + 1)$. The only
+    float operation is one multiply by a power of two, so no fused multiply-add can change a
+    rounding between two compilations (bitwise identical under any sharding).
+
+    **Arguments:**
+
+    - `y`: float32 values in units of the step, already clipped to [-127, 127].
+    - `t`: integer threshold indices in `[0, 2**bits)`, broadcastable to `y`, or `None`.
+    - `bits`: bit width of `t` (7 for shared thresholds, 23 for per-element ones).
+
+    **Returns:**
+
+    int8 codes in [-127, 127].
+    """
+    if t is None:
+        return jnp.round(y).astype(jnp.int8)
+    if not 1 <= bits <= 23:
+        raise ValueError(f"Threshold bit width must be in [1, 23], got {bits}.")
+    shift = bits + 1
+    z = jnp.floor(y * float(2**shift)).astype(jnp.int32)
+    q = (z + 2 * t.astype(jnp.int32) + 1) >> shift
+    return jnp.clip(q, -QMAX, QMAX).astype(jnp.int8)
+
+
+def error_stats(
+    q: Int8[Array, "b s d"], y: Float[Array, "b s d"]
+) -> tuple[Float[Array, "b s"], Float[Array, "b d"], Float[Array, " b"]]:
+    """Means of the rounding error `e = q - y` (in units of the step) of every example.
+
+    **Returns:**
+
+    `(eps, a, m)`: token means `eps[b, s] = mean_d e`, channel means `a[b, d] = mean_s e` and the
+    grand mean `m[b] = mean_{s, d} e`. The structured part of the error is
+    `P = a[:, None, :] + eps[..., None] - m[:, None, None]`, the orthogonal projection of `e_b`
+    onto row-constant plus column-constant matrices.
+    """
+    e = q.astype(jnp.float32) - y
+    eps = jnp.mean(e, axis=2)
+    a = jnp.mean(e, axis=1)
+    m = jnp.mean(eps, axis=1)
+    return eps, a, m

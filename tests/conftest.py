@@ -1,0 +1,18 @@
+import jax
+import jax.random as jr
+import pytest
+
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+@pytest.fixture
+def getkey():
+    """A fresh key on every call, from a fixed seed (tests stay reproducible)."""
+    keys = iter(jr.split(jr.key(5678), 10_000))
+
+    def _getkey():
+        return next(keys)
+
+    return _getkey
