@@ -7,12 +7,12 @@ from jaxtyping import Array, Int, PRNGKeyArray
 
 from s3req import (
     AbstractTopology as AbstractTopology,
-    Block,
     element_thresholds,
     example_thresholds,
     token_thresholds,
 )
 from s3req._interfaces import Product
+from s3req._thresholds import Layout
 from s3req._thresholds import ELEMENT_BITS, SHARED_BITS
 
 
@@ -57,8 +57,8 @@ class Independent(AbstractTopology):
         return self.shared
 
     def thresholds(
-        self, key: PRNGKeyArray, block: Block, product: Product
-    ) -> tuple[Int[Array, "b s d"], int]:
+        self, key: PRNGKeyArray, block: Layout, product: Product
+    ) -> tuple[Int[Array, "..."], int]:
         return element_thresholds(key, block), ELEMENT_BITS
 
 
@@ -77,8 +77,8 @@ class Phi2D(AbstractTopology):
         return True
 
     def thresholds(
-        self, key: PRNGKeyArray, block: Block, product: Product
-    ) -> tuple[Int[Array, "b s 1"], int]:
+        self, key: PRNGKeyArray, block: Layout, product: Product
+    ) -> tuple[Int[Array, "..."], int]:
         return token_thresholds(key, block), SHARED_BITS
 
 
@@ -96,8 +96,8 @@ class PhiBcast(AbstractTopology):
         return True
 
     def thresholds(
-        self, key: PRNGKeyArray, block: Block, product: Product
-    ) -> tuple[Int[Array, "b 1 1"], int]:
+        self, key: PRNGKeyArray, block: Layout, product: Product
+    ) -> tuple[Int[Array, "..."], int]:
         return example_thresholds(key, block), SHARED_BITS
 
 
@@ -125,7 +125,7 @@ class Split(AbstractTopology):
         return False
 
     def thresholds(
-        self, key: PRNGKeyArray, block: Block, product: Product
-    ) -> tuple[Int[Array, "b s d"], int] | None:
+        self, key: PRNGKeyArray, block: Layout, product: Product
+    ) -> tuple[Int[Array, "..."], int] | None:
         inner = self.dx if product == "dx" else self.dw
         return inner.thresholds(key, block, product)

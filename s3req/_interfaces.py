@@ -10,7 +10,7 @@ from typing import Literal
 import equinox as eqx
 from jaxtyping import Array, Int, PRNGKeyArray
 
-from ._thresholds import Block
+from ._thresholds import Layout
 
 
 Product = Literal["dx", "dw"]
@@ -21,7 +21,8 @@ class AbstractTopology(eqx.Module):
 
     A topology says whether it is stochastic, whether one quantized gradient feeds both
     backward GEMMs, and produces integer threshold indices `t` with `bits` bits (the real
-    threshold is $(t + 1/2)/2^{bits}$) broadcastable to a `(b, s, d)` block of `G'`.
+    threshold is $(t + 1/2)/2^{bits}$) broadcastable to a `(b, s, d)` block of `G'` (a [`s3req.Block`][]) or to the `(n, d)` rows of
+    an expert GEMM (a [`s3req.Rows`][]).
     """
 
     stochastic: eqx.AbstractVar[bool]
@@ -33,7 +34,7 @@ class AbstractTopology(eqx.Module):
 
     @abc.abstractmethod
     def thresholds(
-        self, key: PRNGKeyArray, block: Block, product: Product
+        self, key: PRNGKeyArray, block: Layout, product: Product
     ) -> tuple[Int[Array, "b s d"], int] | None:
         """Threshold indices and their bit width for `product` (`None`: round to nearest even).
 

@@ -10,7 +10,7 @@ from jaxtyping import Array, Float, Int8, PRNGKeyArray
 
 from ._interfaces import AbstractPolicy
 from ._quantize import QMAX, absmax_scale, error_stats, gradient_step, round_to_int8, sr_codes
-from ._thresholds import Block
+from ._thresholds import Block, Layout
 
 
 MAX_TERMS = (2**31 - 1) // (QMAX * QMAX)
@@ -78,9 +78,12 @@ def _qdot3_fwd(policy: AbstractPolicy, x, w, key):
 
 
 def quantize_gradient(
-    policy: AbstractPolicy, y: Float[Array, "b s d"], key: PRNGKeyArray | None, block: Block
-) -> tuple[Int8[Array, "b s d"], Int8[Array, "b s d"]]:
+    policy: AbstractPolicy, y: Float[Array, "..."], key: PRNGKeyArray | None, block: Layout
+) -> tuple[Int8[Array, "..."], Int8[Array, "..."]]:
     """The int8 codes of the scaled gradient `y = G'/delta` for the dX and the dW GEMM.
+
+    `y` is a `(b, s, d)` block of the dense gradient described by a [`s3req.Block`][], or the
+    `(n, d)` expert-sorted rows described by a [`s3req.Rows`][].
 
     For topologies that quantize once both are the same array (one int8 tensor feeds both
     GEMMs); otherwise they are rounded with two independent threshold tensors.

@@ -15,7 +15,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Int, PRNGKeyArray
 
-from ._threefry import key_words, random_bits, threefry2x32
+from ._threefry import _mul_wide, key_words, random_bits, threefry2x32
 
 
 SHARED_BITS = 7
@@ -52,18 +52,45 @@ class Block(eqx.Module):
         return Block(shape, (0, 0, 0), shape)  # pyright: ignore
 
 
+@typing.final
+class Rows(eqx.Module):
+    """A ragged layout: rows of a gradient identified by global ids (MoE expert GEMMs).
+
+    Expert GEMMs run on rows sorted by expert. Their thresholds are keyed by each row's
+    **global** `(token, slot)` id, never by its sorted position, so they do not depend on the
+    routing order or on sharding.
+
+    **Arguments:**
+
+    - `row_id`: global id of every row, e.g. `token_index * top_k + slot` (int32, `(n,)`).
+    - `example_id`: the example (batch index) of every row (int32, `(n,)`).
+    - `d`: number of channels of the gradient rows.
+    """
+
+    row_id: Int[Array, " n"]
+    example_id: Int[Array, " n"]
+    d: int = eqx.field(static=True)
+
+
+Layout = Block | Rows
+
+
 def _cut_7bit(words: Array, byte: Array) -> Array:
     """Threshold index number `byte` (0..3) of each 32-bit word: 7 bits of that byte."""
     shift = (byte * 8).astype(jnp.uint32)
     return ((words >> shift) & jnp.uint32(0x7F)).astype(jnp.int32)
 
 
-def token_thresholds(key: PRNGKeyArray, block: Block) -> Int[Array, "b s 1"]:
+def token_thresholds(key: PRNGKeyArray, block: Layout) -> Int[Array, "..."]:
     """Phi2D: one 7-bit threshold per token, shape `(b, s, 1)` (broadcast over channels).
 
     Token `n = batch_index * seq + seq_index` takes byte `n % 4` of word `n // 4` of
     `jax.random.bits(key, (ceil(B*S/4),))`: `B*S/4` Threefry words for the whole tensor.
+    For [`s3req.Rows`][] the token number is the row's global id and the result has shape
+    `(n, 1)`.
     """
+    if isinstance(block, Rows):
+        return _ids_7bit(key, block.row_id)[:, None]
     B, S, _ = block.global_shape
     b, s, _ = block.shape
     b0, s0, _ = block.start
@@ -80,22 +107,39 @@ def token_thresholds(key: PRNGKeyArray, block: Block) -> Int[Array, "b s 1"]:
     return _cut_7bit(words, n & jnp.uint32(3))[..., None]
 
 
-def example_thresholds(key: PRNGKeyArray, block: Block) -> Int[Array, "b 1 1"]:
-    """PhiBcast: one 7-bit threshold per example, shape `(b, 1, 1)`.
+def example_thresholds(key: PRNGKeyArray, block: Layout) -> Int[Array, "..."]:
+    """PhiBcast: one 7-bit threshold per example, shape `(b, 1, 1)` (`(n, 1)` for `Rows`).
 
     Example `n` takes byte `n % 4` of word `n // 4` of `jax.random.bits(key, (ceil(B/4),))`.
     """
-    n = jnp.arange(block.shape[0], dtype=jnp.uint32) + jnp.asarray(block.start[0], jnp.uint32)
-    words = _words_at(key, n >> jnp.uint32(2))
-    return _cut_7bit(words, n & jnp.uint32(3))[:, None, None]
+    if isinstance(block, Rows):
+        return _ids_7bit(key, block.example_id)[:, None]
+    n = jnp.arange(block.shape[0], dtype=jnp.int32) + jnp.asarray(block.start[0], jnp.int32)
+    return _ids_7bit(key, n)[:, None, None]
 
 
-def element_thresholds(key: PRNGKeyArray, block: Block) -> Int[Array, "b s d"]:
+def _ids_7bit(key: PRNGKeyArray, ids: Int[Array, "..."]) -> Int[Array, "..."]:
+    """The 7-bit threshold of every id: byte `id % 4` of word `id // 4`."""
+    n = ids.astype(jnp.uint32)
+    return _cut_7bit(_words_at(key, n >> jnp.uint32(2)), n & jnp.uint32(3))
+
+
+def element_thresholds(key: PRNGKeyArray, block: Layout) -> Int[Array, "..."]:
     """Independent SR: one 32-bit Threefry word per element; its top 23 bits are the threshold.
 
-    The words are `jax.random.bits(key, (B, S, D))[block]`.
+    The words are `jax.random.bits(key, (B, S, D))[block]`; for [`s3req.Rows`][] the counter of
+    element `(row, c)` is `row_id * d + c`.
     """
-    words = random_bits(key, block.global_shape, start=block.start, shape=block.shape)
+    if isinstance(block, Rows):
+        hi, lo = _mul_wide(block.row_id.astype(jnp.uint32)[:, None], block.d)
+        c = jnp.arange(block.d, dtype=jnp.uint32)[None, :]
+        lo2 = lo + c
+        hi = hi + (lo2 < c).astype(jnp.uint32)
+        k0, k1 = key_words(key)
+        b0, b1 = threefry2x32(k0, k1, hi, lo2)
+        words = b0 ^ b1
+    else:
+        words = random_bits(key, block.global_shape, start=block.start, shape=block.shape)
     return (words >> jnp.uint32(32 - ELEMENT_BITS)).astype(jnp.int32)
 
 
