@@ -1,0 +1,41 @@
+"""The s3req application layer: data, tokenizers, the training loop, checkpoints, sampling.
+
+`import s3req` does not import this subpackage (it imports `models`); import it explicitly:
+
+```python
+from s3req.train import TrainConfig, train
+result = train(TrainConfig(steps=100, out="runs/demo"))
+```
+"""
+
+from ._checkpoint import (
+    load_checkpoint as load_checkpoint,
+    save_checkpoint as save_checkpoint,
+)
+from ._data import (
+    bpe_cached as bpe_cached,
+    cache_dir as cache_dir,
+    Corpus as Corpus,
+    CORPUS_INSTALL_COMMAND as CORPUS_INSTALL_COMMAND,
+    encode_cached as encode_cached,
+    load_corpus as load_corpus,
+    load_data as load_data,
+    split_text as split_text,
+    TokenData as TokenData,
+)
+from ._loop import (
+    build_model as build_model,
+    evaluate as evaluate,
+    make_optimizer as make_optimizer,
+    model_config as model_config,
+    train as train,
+    TrainConfig as TrainConfig,
+    TrainResult as TrainResult,
+)
+from ._tokenizer import (
+    AbstractTokenizer as AbstractTokenizer,
+    BPETokenizer as BPETokenizer,
+    ByteTokenizer as ByteTokenizer,
+    load_tokenizer as load_tokenizer,
+    train_bpe as train_bpe,
+)
