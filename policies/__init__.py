@@ -7,7 +7,7 @@ from ._correction import (
     NoEC as NoEC,
     TwoWayEC as TwoWayEC,
 )
-from ._policy import PRESETS as PRESETS, Policy as Policy, preset as preset
+from ._policy import Policy as Policy, preset as preset, PRESETS as PRESETS
 from ._topology import (
     AbstractTopology as AbstractTopology,
     Independent as Independent,

@@ -4,7 +4,6 @@ import typing
 
 import equinox as eqx
 from jaxtyping import Array, Int, PRNGKeyArray
-
 from s3req import (
     AbstractTopology as AbstractTopology,
     element_thresholds,
@@ -12,8 +11,7 @@ from s3req import (
     token_thresholds,
 )
 from s3req._interfaces import Product
-from s3req._thresholds import Layout
-from s3req._thresholds import ELEMENT_BITS, SHARED_BITS
+from s3req._thresholds import ELEMENT_BITS, Layout, SHARED_BITS
 
 
 @typing.final

@@ -24,9 +24,9 @@ from ._surgery import quantize as quantize
 from ._threefry import random_bits as random_bits, threefry2x32 as threefry2x32
 from ._thresholds import (
     Block as Block,
-    Rows as Rows,
     element_thresholds as element_thresholds,
     example_thresholds as example_thresholds,
+    Rows as Rows,
     token_thresholds as token_thresholds,
 )
 

@@ -9,7 +9,14 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int8, PRNGKeyArray
 
 from ._interfaces import AbstractPolicy
-from ._quantize import QMAX, absmax_scale, error_stats, gradient_step, round_to_int8, sr_codes
+from ._quantize import (
+    absmax_scale,
+    error_stats,
+    gradient_step,
+    QMAX,
+    round_to_int8,
+    sr_codes,
+)
 from ._thresholds import Block, Layout
 
 
@@ -55,10 +62,17 @@ def _token_contraction(
 def _forward(x, w, policy: AbstractPolicy):
     sx = absmax_scale(x, axis=-1)  # (B, S, 1)
     sw = absmax_scale(w, axis=0)  # (1, D)
+    # max|.| propagates NaN and Inf, so checking the scales checks every element.
+    sx = eqx.error_if(
+        sx, ~jnp.all(jnp.isfinite(sx)), "s3req.qdot: x contains NaN or Inf."
+    )
+    sw = eqx.error_if(
+        sw, ~jnp.all(jnp.isfinite(sw)), "s3req.qdot: w contains NaN or Inf."
+    )
     xq = round_to_int8(x, sx)
     wq = round_to_int8(w, sw)
     acc = _int_dot(xq, wq, ((2,), (0,)))
-    y = (acc.astype(_F32) * sx * sw).astype(x.dtype)
+    y = (acc.astype(_F32) * sx * sw[None]).astype(x.dtype)
     ec = policy.correction
     # Small factors for the error correction, from the forward pass (int32, exact).
     xsum = jnp.sum(xq, axis=1, dtype=_I32) if ec.dw else None  # (B, H): S * xbar_b
@@ -78,7 +92,10 @@ def _qdot3_fwd(policy: AbstractPolicy, x, w, key):
 
 
 def quantize_gradient(
-    policy: AbstractPolicy, y: Float[Array, "..."], key: PRNGKeyArray | None, block: Layout
+    policy: AbstractPolicy,
+    y: Float[Array, "..."],
+    key: PRNGKeyArray | None,
+    block: Layout,
 ) -> tuple[Int8[Array, "..."], Int8[Array, "..."]]:
     """The int8 codes of the scaled gradient `y = G'/delta` for the dX and the dW GEMM.
 
@@ -106,7 +123,7 @@ def _qdot3_bwd(policy: AbstractPolicy, residuals, g):
     (xq, wq, sx, sw, xsum, rw), key, x_like, w_like = residuals
     B, S, D = g.shape
     # Fold both scales into the gradient, one per-tensor step (float32 even for bf16 G).
-    gp = sx * g.astype(_F32) * sw
+    gp = sx * g.astype(_F32) * sw[None]
     delta, inv = gradient_step(gp)
     delta = eqx.error_if(
         delta,
@@ -124,7 +141,7 @@ def _qdot3_bwd(policy: AbstractPolicy, residuals, g):
     if ec.dx_token or ec.dx_channel:
         eps, a, m = error_stats(q_dx, y)
         if ec.dx_token:
-            dx = dx - eps[..., None] * rw.astype(_F32)
+            dx = dx - eps[..., None] * rw.astype(_F32)[None, None, :]
         if ec.dx_channel:
             am = a - m[:, None]  # (B, D)
             dx = dx - jnp.dot(am, wq.T.astype(_F32))[:, None, :]
@@ -152,7 +169,9 @@ def _check(x: Array, w: Array, policy: AbstractPolicy | None, key) -> None:
                 f"s3req.qdot: `{name}` must be float32, bfloat16 or float16, got {arr.dtype}."
             )
     if w.ndim != 2:
-        raise ValueError(f"s3req.qdot: `w` must have shape (d_in, d_out), got {w.shape}.")
+        raise ValueError(
+            f"s3req.qdot: `w` must have shape (d_in, d_out), got {w.shape}."
+        )
     if not 1 <= x.ndim <= 3:
         raise ValueError(
             "s3req.qdot: `x` must have shape (batch, seq, d_in), (seq, d_in) or (d_in,), got "
@@ -216,10 +235,6 @@ def qdot(
     _check(x, w, policy, key)
     if policy is None:
         return jnp.matmul(x, w.astype(x.dtype))
-    x = eqx.error_if(
-        x, ~jnp.all(jnp.isfinite(x)), "s3req.qdot: the input x contains NaN or Inf."
-    )
-    w = eqx.error_if(w, ~jnp.all(jnp.isfinite(w)), "s3req.qdot: the weight contains NaN or Inf.")
     lead = x.shape[:-1]
     x3 = x.reshape((1,) * (3 - x.ndim) + x.shape)
     y = _qdot3(policy, x3, w, key)

@@ -17,12 +17,15 @@ def absmax_scale(x: Float[Array, "..."], axis: int) -> Float[Array, "..."]:
     """`max |x| / 127` along `axis` (kept as a size-1 axis), in float32; zero slices get 1.
 
     A zero row or column gets scale 1, never 0, because the backward pass divides by it.
+    NaN and Inf propagate into the scale (so checking the scales checks every element).
     """
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=True)
-    return jnp.where(amax > 0, amax / QMAX, jnp.ones_like(amax))
+    return jnp.where(amax == 0, jnp.ones_like(amax), amax / QMAX)
 
 
-def round_to_int8(x: Float[Array, "..."], scale: Float[Array, "..."]) -> Int8[Array, "..."]:
+def round_to_int8(
+    x: Float[Array, "..."], scale: Float[Array, "..."]
+) -> Int8[Array, "..."]:
     """Round-to-nearest-even of `x / scale` to int8 codes (clipped to [-127, 127])."""
     y = x.astype(jnp.float32) / scale
     return jnp.clip(jnp.round(y), -QMAX, QMAX).astype(jnp.int8)

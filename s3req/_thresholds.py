@@ -97,7 +97,7 @@ def token_thresholds(key: PRNGKeyArray, block: Layout) -> Int[Array, "..."]:
     if isinstance(s0, int) and S % 4 == 0 and s0 % 4 == 0 and s % 4 == 0:
         # Aligned block: hash each word once and unpack its four bytes.
         words = random_bits(key, (B, S // 4), start=(b0, s0 // 4), shape=(b, s // 4))
-        t = _cut_7bit(words[..., None], jnp.arange(4, dtype=jnp.uint32))
+        t = _cut_7bit(words[..., None], jnp.arange(4, dtype=jnp.uint32)[None, None, :])
         return t.reshape(b, s, 1)
     # General block: the word of each token (a word may be hashed up to four times).
     rows = jnp.arange(b, dtype=jnp.uint32)[:, None] + jnp.asarray(b0, jnp.uint32)
@@ -114,7 +114,9 @@ def example_thresholds(key: PRNGKeyArray, block: Layout) -> Int[Array, "..."]:
     """
     if isinstance(block, Rows):
         return _ids_7bit(key, block.example_id)[:, None]
-    n = jnp.arange(block.shape[0], dtype=jnp.int32) + jnp.asarray(block.start[0], jnp.int32)
+    n = jnp.arange(block.shape[0], dtype=jnp.int32) + jnp.asarray(
+        block.start[0], jnp.int32
+    )
     return _ids_7bit(key, n)[:, None, None]
 
 
@@ -139,7 +141,9 @@ def element_thresholds(key: PRNGKeyArray, block: Layout) -> Int[Array, "..."]:
         b0, b1 = threefry2x32(k0, k1, hi, lo2)
         words = b0 ^ b1
     else:
-        words = random_bits(key, block.global_shape, start=block.start, shape=block.shape)
+        words = random_bits(
+            key, block.global_shape, start=block.start, shape=block.shape
+        )
     return (words >> jnp.uint32(32 - ELEMENT_BITS)).astype(jnp.int32)
 
 
