@@ -64,9 +64,7 @@ class QuantLinear(eqx.Module):
         wkey, bkey = jr.split(key)
         lim = 1 / math.sqrt(in_features)
         self.weight = jr.uniform(wkey, (out_features, in_features), dtype, -lim, lim)
-        self.bias = (
-            jr.uniform(bkey, (out_features,), dtype, -lim, lim) if use_bias else None
-        )
+        self.bias = jr.uniform(bkey, (out_features,), dtype, -lim, lim) if use_bias else None
         self.policy = policy
         self.in_features = in_features
         self.out_features = out_features
@@ -106,14 +104,10 @@ class QuantLinear(eqx.Module):
         return y
 
     @staticmethod
-    def from_linear(
-        linear: eqx.nn.Linear, policy: AbstractPolicy | None
-    ) -> "QuantLinear":
+    def from_linear(linear: eqx.nn.Linear, policy: AbstractPolicy | None) -> "QuantLinear":
         """A `QuantLinear` holding the weights (and bias) of an `equinox.nn.Linear`."""
         if linear.in_features == "scalar" or linear.out_features == "scalar":
-            raise ValueError(
-                "QuantLinear.from_linear: 'scalar' Linear layers are not supported."
-            )
+            raise ValueError("QuantLinear.from_linear: 'scalar' Linear layers are not supported.")
         abstract = eqx.filter_eval_shape(
             QuantLinear,
             linear.in_features,

@@ -34,9 +34,7 @@ def _int_dot(a: Array, b: Array, contract: tuple, batch: tuple = ((), ())) -> Ar
     return jax.lax.dot_general(a, b, (contract, batch), preferred_element_type=_I32)
 
 
-def _token_contraction(
-    xq: Int8[Array, "b s h"], q: Int8[Array, "b s d"]
-) -> Float[Array, "h d"]:
+def _token_contraction(xq: Int8[Array, "b s h"], q: Int8[Array, "b s d"]) -> Float[Array, "h d"]:
     """`Xq^T Q` summed over batch and tokens, without int32 overflow.
 
     Up to `MAX_TERMS` tokens this is one int8 GEMM with int32 accumulation. Beyond it, the
@@ -63,12 +61,8 @@ def _forward(x, w, policy: AbstractPolicy):
     sx = absmax_scale(x, axis=-1)  # (B, S, 1)
     sw = absmax_scale(w, axis=0)  # (1, D)
     # max|.| propagates NaN and Inf, so checking the scales checks every element.
-    sx = eqx.error_if(
-        sx, ~jnp.all(jnp.isfinite(sx)), "s3req.qdot: x contains NaN or Inf."
-    )
-    sw = eqx.error_if(
-        sw, ~jnp.all(jnp.isfinite(sw)), "s3req.qdot: w contains NaN or Inf."
-    )
+    sx = eqx.error_if(sx, ~jnp.all(jnp.isfinite(sx)), "s3req.qdot: x contains NaN or Inf.")
+    sw = eqx.error_if(sw, ~jnp.all(jnp.isfinite(sw)), "s3req.qdot: w contains NaN or Inf.")
     xq = round_to_int8(x, sx)
     wq = round_to_int8(w, sw)
     acc = _int_dot(xq, wq, ((2,), (0,)))
@@ -169,9 +163,7 @@ def _check(x: Array, w: Array, policy: AbstractPolicy | None, key) -> None:
                 f"s3req.qdot: `{name}` must be float32, bfloat16 or float16, got {arr.dtype}."
             )
     if w.ndim != 2:
-        raise ValueError(
-            f"s3req.qdot: `w` must have shape (d_in, d_out), got {w.shape}."
-        )
+        raise ValueError(f"s3req.qdot: `w` must have shape (d_in, d_out), got {w.shape}.")
     if not 1 <= x.ndim <= 3:
         raise ValueError(
             "s3req.qdot: `x` must have shape (batch, seq, d_in), (seq, d_in) or (d_in,), got "

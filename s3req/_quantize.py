@@ -23,9 +23,7 @@ def absmax_scale(x: Float[Array, "..."], axis: int) -> Float[Array, "..."]:
     return jnp.where(amax == 0, jnp.ones_like(amax), amax / QMAX)
 
 
-def round_to_int8(
-    x: Float[Array, "..."], scale: Float[Array, "..."]
-) -> Int8[Array, "..."]:
+def round_to_int8(x: Float[Array, "..."], scale: Float[Array, "..."]) -> Int8[Array, "..."]:
     """Round-to-nearest-even of `x / scale` to int8 codes (clipped to [-127, 127])."""
     y = x.astype(jnp.float32) / scale
     return jnp.clip(jnp.round(y), -QMAX, QMAX).astype(jnp.int8)
@@ -42,9 +40,7 @@ def gradient_step(g: Float[Array, "..."]) -> tuple[Float[Array, ""], Float[Array
     return amax / QMAX, inv
 
 
-def sr_codes(
-    y: Float[Array, "..."], t: Int[Array, "..."] | None, bits: int
-) -> Int8[Array, "..."]:
+def sr_codes(y: Float[Array, "..."], t: Int[Array, "..."] | None, bits: int) -> Int8[Array, "..."]:
     """Round `y` (in units of the step, |y| <= 127) to int8 codes.
 
     With `t=None` this is round-to-nearest-even. Otherwise it is

@@ -47,9 +47,7 @@ def quantize(
 
     def swap(node):
         if not _is_linear(node):
-            raise TypeError(
-                f"quantize: `where` selected {type(node).__name__}, not a Linear."
-            )
+            raise TypeError(f"quantize: `where` selected {type(node).__name__}, not a Linear.")
         return QuantLinear.from_linear(node, policy)
 
     if where is None:

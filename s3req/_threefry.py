@@ -101,9 +101,7 @@ def linear_index(
         # (hi, lo) <- (hi, lo) * n + index
         p_hi, p_lo = _mul_wide(lo, n)
         hi = hi * jnp.uint32(n) + p_hi
-        idx = jax.lax.broadcasted_iota(jnp.uint32, tuple(shape), axis) + jnp.asarray(
-            s, jnp.uint32
-        )
+        idx = jax.lax.broadcasted_iota(jnp.uint32, tuple(shape), axis) + jnp.asarray(s, jnp.uint32)
         lo = p_lo + idx
         hi = hi + (lo < idx).astype(jnp.uint32)
     return hi, lo

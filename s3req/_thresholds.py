@@ -114,9 +114,7 @@ def example_thresholds(key: PRNGKeyArray, block: Layout) -> Int[Array, "..."]:
     """
     if isinstance(block, Rows):
         return _ids_7bit(key, block.example_id)[:, None]
-    n = jnp.arange(block.shape[0], dtype=jnp.int32) + jnp.asarray(
-        block.start[0], jnp.int32
-    )
+    n = jnp.arange(block.shape[0], dtype=jnp.int32) + jnp.asarray(block.start[0], jnp.int32)
     return _ids_7bit(key, n)[:, None, None]
 
 
@@ -141,9 +139,7 @@ def element_thresholds(key: PRNGKeyArray, block: Layout) -> Int[Array, "..."]:
         b0, b1 = threefry2x32(k0, k1, hi, lo2)
         words = b0 ^ b1
     else:
-        words = random_bits(
-            key, block.global_shape, start=block.start, shape=block.shape
-        )
+        words = random_bits(key, block.global_shape, start=block.start, shape=block.shape)
     return (words >> jnp.uint32(32 - ELEMENT_BITS)).astype(jnp.int32)
 
 

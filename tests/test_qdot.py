@@ -65,9 +65,7 @@ def test_exact_when_representable(policy, getkey):
     x, w, g = exact_problem(getkey())
     dx, dw = _grads(policy, x, w, g, getkey())
     np.testing.assert_allclose(dx, g @ w.T, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(
-        dw, jnp.einsum("bsh,bsd->hd", x, g), rtol=1e-6, atol=1e-6
-    )
+    np.testing.assert_allclose(dw, jnp.einsum("bsh,bsd->hd", x, g), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(qdot(x, w, policy=policy, key=getkey()), x @ w)
 
 
@@ -107,12 +105,8 @@ def test_unbiased(policy, getkey):
     bits = 23 if isinstance(policy.topology, Independent) else 7
     factor = 1.0 if isinstance(policy.correction, NoEC) else 4.0
     xq, wq = xq.astype(jnp.float32), wq.astype(jnp.float32)
-    bias_dx = (
-        factor * delta * 2.0 ** -(bits + 1) * jnp.sum(jnp.abs(wq), 1)[None, None] / sx
-    )
-    bias_dw = (
-        factor * delta * 2.0 ** -(bits + 1) * jnp.sum(jnp.abs(xq), (0, 1))[:, None] / sw
-    )
+    bias_dx = factor * delta * 2.0 ** -(bits + 1) * jnp.sum(jnp.abs(wq), 1)[None, None] / sx
+    bias_dw = factor * delta * 2.0 ** -(bits + 1) * jnp.sum(jnp.abs(xq), (0, 1))[:, None] / sw
 
     for est, exact, bias in ((dx, dx_exact, bias_dx), (dw, dw_exact, bias_dw)):
         se = jnp.std(est, axis=0) / np.sqrt(N_KEYS)
@@ -166,9 +160,7 @@ def test_shared_threshold_covariance_exact():
     assert float(jnp.max(jnp.abs(c - ref))) < 2 / 128
 
 
-@pytest.mark.parametrize(
-    "topology", [Phi2D(), Independent()], ids=["Phi2D", "Independent"]
-)
+@pytest.mark.parametrize("topology", [Phi2D(), Independent()], ids=["Phi2D", "Independent"])
 def test_covariance_sampled(topology, getkey):
     """Through the engine's own thresholds: shared per-token thresholds correlate the channels
     of a token (~1/12 step^2), independent ones do not (~0). Tolerance: 5 standard errors of
@@ -178,9 +170,7 @@ def test_covariance_sampled(topology, getkey):
     y = (3.0 + p)[None, None, :]  # one token, residuals evenly spread
     policy = Policy(topology)
     keys = jr.split(getkey(), n_keys)
-    q = jax.vmap(lambda k: quantize_gradient(policy, y, k, Block.whole((1, 1, D)))[0])(
-        keys
-    )
+    q = jax.vmap(lambda k: quantize_gradient(policy, y, k, Block.whole((1, 1, D)))[0])(keys)
     e = q[:, 0, 0, :].astype(jnp.float32) - y[0]
 
     def mean_pair_cov(eb):
@@ -224,14 +214,10 @@ def test_error_correction_is_the_projection(topology, correction, getkey):
         assert float(jnp.max(jnp.abs(jnp.sum(r, axis=1)))) < 1e-4  # every channel
     qc = q.astype(jnp.float32) - P
     dx_ref = delta * (qc @ wq.T.astype(jnp.float32)) / sx
-    np.testing.assert_allclose(
-        dx, dx_ref, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(dx)))
-    )
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(dx))))
     qw = qc if two_way else q.astype(jnp.float32)
     dw_ref = delta * jnp.einsum("bsh,bsd->hd", xq.astype(jnp.float32), qw) / sw
-    np.testing.assert_allclose(
-        dw, dw_ref, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(dw)))
-    )
+    np.testing.assert_allclose(dw, dw_ref, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(dw))))
 
 
 @pytest.mark.parametrize("policy", ALL_POLICIES, ids=policy_id)
@@ -323,9 +309,7 @@ def test_zero_gradient_and_zero_tokens(policy, getkey):
     # exact dX (G W^T) for that token.
     xe, we, ge = exact_problem(getkey())
     xe = xe.at[1, 2].set(0.0)
-    ge = ge * jnp.where(
-        jnp.arange(8)[None, :, None] == 2, 1.0, 0.0
-    )  # only the zero token
+    ge = ge * jnp.where(jnp.arange(8)[None, :, None] == 2, 1.0, 0.0)  # only the zero token
     ge = ge.at[0].set(0.0)
     dx, dw = _grads(policy, xe, we, ge, getkey())
     assert jnp.all(jnp.isfinite(dx)) and jnp.all(jnp.isfinite(dw))
@@ -340,9 +324,9 @@ def test_int32_overflow_chunked(getkey):
     xq = jnp.full((1, n, 2), 127, jnp.int8).at[0, :5000, 1].set(-127)
     q = jnp.full((1, n, 3), 127, jnp.int8).at[0, 7:1000, 2].set(-3)
     got = _token_contraction(xq, q)
-    ref = np.einsum(
-        "bsh,bsd->hd", np.asarray(xq, np.int64), np.asarray(q, np.int64)
-    ).astype(np.float32)
+    ref = np.einsum("bsh,bsd->hd", np.asarray(xq, np.int64), np.asarray(q, np.int64)).astype(
+        np.float32
+    )
     assert np.abs(ref).max() > 2**31  # an int32 accumulator would have overflowed
     np.testing.assert_array_equal(np.asarray(got), ref)
     # and through qdot: constant inputs give the float result
@@ -390,7 +374,5 @@ def test_bf16_gradient_quantized_in_f32(getkey):
     g = jr.normal(getkey(), (2, 8, 32)).astype(jnp.bfloat16)
     k = getkey()
     _, vjp32 = jax.vjp(lambda w: qdot(x, w, policy=policy, key=k), w)
-    _, vjp16 = jax.vjp(
-        lambda w: qdot(x.astype(jnp.bfloat16), w, policy=policy, key=k), w
-    )
+    _, vjp16 = jax.vjp(lambda w: qdot(x.astype(jnp.bfloat16), w, policy=policy, key=k), w)
     np.testing.assert_array_equal(vjp32(g.astype(jnp.float32))[0], vjp16(g)[0])
