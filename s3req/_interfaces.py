@@ -21,8 +21,8 @@ class AbstractTopology(eqx.Module):
 
     A topology says whether it is stochastic, whether one quantized gradient feeds both
     backward GEMMs, and produces integer threshold indices `t` with `bits` bits (the real
-    threshold is $(t + 1/2)/2^{bits}$) broadcastable to a `(b, s, d)` block of `G'` (a [`s3req.Block`][]) or to the `(n, d)` rows of
-    an expert GEMM (a [`s3req.Rows`][]).
+    threshold is $(t + 1/2)/2^{bits}$) broadcastable to a `(b, s, d)` block of `G'` (a
+    [`s3req.Block`][]) or to the `(n, d)` rows of an expert GEMM (a [`s3req.Rows`][]).
     """
 
     stochastic: eqx.AbstractVar[bool]

@@ -100,7 +100,7 @@ class QuantLinear(eqx.Module):
             )
         y = qdot(x, self.weight.T, policy=self.policy, key=key)
         if self.bias is not None:
-            y = y + self.bias.astype(y.dtype)
+            y = y + jnp.broadcast_to(self.bias.astype(y.dtype), y.shape)
         return y
 
     @staticmethod
