@@ -3,6 +3,7 @@
 import typing
 
 import equinox as eqx
+
 from s3req import AbstractCorrection, AbstractPolicy, AbstractTopology
 
 from ._correction import DxOnlyEC, NoEC, TwoWayEC

@@ -4,6 +4,7 @@ import typing
 
 import equinox as eqx
 from jaxtyping import Array, Int, PRNGKeyArray
+
 from s3req import (
     AbstractTopology as AbstractTopology,
     element_thresholds,

@@ -5,6 +5,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 from jax.extend.core import Jaxpr
+
 from policies import (
     DxOnlyEC,
     Independent,

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+
 from policies import (
     DxOnlyEC,
     Independent,

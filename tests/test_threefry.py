@@ -8,10 +8,10 @@ import pytest
 
 from s3req import (
     Block,
-    Rows,
     element_thresholds,
     example_thresholds,
     random_bits,
+    Rows,
     token_thresholds,
 )
 from s3req._threefry import linear_index
