@@ -24,9 +24,10 @@ $p + (t + 1/2)/2^b \\ge 1$; for `b = 32` it goes up iff $p + t/2^{32} \\ge 1$. O
 
 - `b < 32`: $P(\\text{up}) = \\lfloor p\\,2^b + 1/2 \\rfloor / 2^b$, so the bias is at most
   $\\mathrm{ulp}(x)/2^{b+1}$, and zero when the residual has at most `b` bits;
-- `b = 32`: $P(\\text{up}) = \\lfloor p\\,2^{32} \\rfloor / 2^{32}$: exactly unbiased for every input
-  whose residual fits in 32 bits (all of them except values more than $2^9$ times smaller than the
-  smallest subnormal of the target), and below that the bias is under $\\mathrm{ulp}/2^{32}$.
+- `b = 32`: $P(\\text{up}) = \\lfloor p\\,2^{32} \\rfloor / 2^{32}$: exactly unbiased for every
+  input whose residual fits in 32 bits (all of them except values more than $2^9$ times
+  smaller than the smallest subnormal of the target); below that the bias is under
+  $\\mathrm{ulp}/2^{32}$.
 
 A float32 value has `23 - m` residual bits in the normal range (16 for bfloat16, 13 for float16,
 20 for e4m3, 21 for e5m2, 22 for e2m1), so 32-bit thresholds are exact everywhere that matters,
@@ -135,9 +136,7 @@ def float_format(dtype: typing.Any) -> FloatFormat:
     dt = jnp.dtype(dtype)
     if dt not in FLOAT_FORMATS:
         names = ", ".join(d.name for d in FLOAT_FORMATS)
-        raise ValueError(
-            f"Cannot round onto {dt.name}: supported target formats are {names}."
-        )
+        raise ValueError(f"Cannot round onto {dt.name}: supported target formats are {names}.")
     fi = jnp.finfo(dt)
     probe = np.array([np.inf, np.nan], np.float32).astype(dt).astype(np.float32)
     return FloatFormat(
