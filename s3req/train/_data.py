@@ -79,9 +79,7 @@ def split_text(text: str, val_fraction: float = VAL_FRACTION) -> tuple[str, str]
     `(train, val)`.
     """
     if not 0.0 < val_fraction < 1.0:
-        raise ValueError(
-            f"split_text: val_fraction must lie in (0, 1), got {val_fraction}."
-        )
+        raise ValueError(f"split_text: val_fraction must lie in (0, 1), got {val_fraction}.")
     cut = int(len(text) * (1.0 - val_fraction))
     newline = text.find("\n", max(cut - 1, 0))
     if newline == -1:
@@ -121,9 +119,7 @@ def _read_documents(files: list[pathlib.Path], root: pathlib.Path) -> Corpus:
         train.append(t)
         val.append(v)
         names.append(file.relative_to(root).as_posix() if file != root else file.name)
-    return Corpus(
-        name=str(root), train="".join(train), val="".join(val), documents=tuple(names)
-    )
+    return Corpus(name=str(root), train="".join(train), val="".join(val), documents=tuple(names))
 
 
 def load_corpus(path: str | pathlib.Path | None = None) -> Corpus:
@@ -154,9 +150,7 @@ def load_corpus(path: str | pathlib.Path | None = None) -> Corpus:
     if root.is_file():
         return _read_documents([root], root)
     if root.is_dir():
-        files = sorted(
-            f for f in root.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES
-        )
+        files = sorted(f for f in root.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
         if not files:
             raise FileNotFoundError(
                 f"No *.txt or *.md file below {root}. Point --data at a text file, a folder "
@@ -289,9 +283,7 @@ class TokenData:
 
     def val_batches(
         self, batch_size: int, seq_len: int, max_batches: int | None = None
-    ) -> Iterator[
-        tuple[Int32[np.ndarray, "batch seq_len_plus_1"], Bool[np.ndarray, " batch"]]
-    ]:
+    ) -> Iterator[tuple[Int32[np.ndarray, "batch seq_len_plus_1"], Bool[np.ndarray, " batch"]]]:
         """Fixed validation windows: window `i` is `val[i*seq_len : (i+1)*seq_len + 1]`.
 
         **Arguments:**
@@ -333,9 +325,7 @@ def _load_token_file(path: pathlib.Path) -> UInt16[np.ndarray, " n"]:
         ids = ids.reshape(-1)
     if ids.dtype != np.uint16:
         if not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(
-                f"{path}: token arrays must hold integers, got {ids.dtype}."
-            )
+            raise ValueError(f"{path}: token arrays must hold integers, got {ids.dtype}.")
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) > 65535):
             raise ValueError(f"{path}: token ids must lie in [0, 65536) to fit uint16.")
         ids = ids.astype(np.uint16)
@@ -377,11 +367,7 @@ def load_data(
         raise ValueError(f"Unknown tokenizer {tokenizer!r}; choose 'byte' or 'bpe'.")
     corpus = load_corpus(path)
     tok: AbstractTokenizer
-    tok = (
-        ByteTokenizer()
-        if tokenizer == "byte"
-        else bpe_cached(corpus.train, bpe_vocab, cache)
-    )
+    tok = ByteTokenizer() if tokenizer == "byte" else bpe_cached(corpus.train, bpe_vocab, cache)
     train = encode_cached(corpus.train, tok, cache)
     val = encode_cached(corpus.val, tok, cache)
     return TokenData(train, val, tok.vocab_size, tok, name=corpus.name)
