@@ -1,16 +1,160 @@
-"""The mixture-of-experts FFN block (work in progress)."""
+"""The mixture-of-experts FFN: a float top-k router and INT8 ragged expert GEMMs."""
 
+import math
 import typing
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from s3req import AbstractPolicy
+from s3req._ragged import qragged_dot
+
+from ._config import MoEConfig
+from ._ffn import FFN
+
+
+_F32 = jnp.float32
+
+
+def _uniform(key, shape, fan_in):
+    lim = 1 / math.sqrt(fan_in)
+    return jr.uniform(key, shape, _F32, -lim, lim)
 
 
 @typing.final
 class MoE(eqx.Module):
-    """Mixture-of-experts FFN (not yet available)."""
+    """A mixture-of-experts SwiGLU FFN (Qwen3-MoE / DeepSeek-MoE style) that drops no token.
 
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError("MoE: coming in the next commit.")
+    A float router $z = x W_r^\\top$ gives softmax probabilities $p = \\mathrm{softmax}(z)$;
+    each token goes to its `top_k` most probable experts with weights $p_{t,e}$ (renormalised
+    over the chosen experts when `norm_topk_prob`). The `(token, slot)` pairs are sorted by
+    expert and every expert's SwiGLU runs as three INT8 ragged GEMMs
+    ([`s3req._ragged.qragged_dot`][], int32 accumulation, thresholds keyed by the global
+    `(token, slot)` id, error correction over `(example, expert)` segments). Shared experts,
+    if any, are one [`models.FFN`][] of width `n_shared_experts * d_expert` that sees every
+    token.
 
-    def forward(self, x, *, key=None):
-        raise NotImplementedError
+    Auxiliary loss (per layer): $\\alpha\\, E \\sum_e f_e P_e + \\beta\\,
+    \\operatorname{mean}_t (\\log\\sum_e e^{z_{t,e}})^2$, with $f_e$ the fraction of the
+    $T$ tokens routed to expert $e$ (any slot; $\\sum_e f_e = k$), $P_e$ the mean router
+    probability of $e$, $\\alpha$ = `aux_loss_coef`, $\\beta$ = `z_loss_coef` (the
+    load-balancing term is Hugging Face's Mixtral / Qwen3-MoE formula for one layer).
+
+    **Arguments:**
+
+    - `d_model`: input and output width.
+    - `config`: a [`models.MoEConfig`][].
+    - `policy`: the rounding policy of the expert GEMMs and the shared experts, or `None`.
+    - `key`: initialisation key. (Keyword only argument.)
+    """
+
+    router: Float[Array, "n_experts d_model"]
+    w_gate: Float[Array, "n_experts d_model d_expert"]
+    w_up: Float[Array, "n_experts d_model d_expert"]
+    w_down: Float[Array, "n_experts d_expert d_model"]
+    shared: FFN | None
+    policy: AbstractPolicy | None
+    config: MoEConfig = eqx.field(static=True)
+
+    def __init__(
+        self,
+        d_model: int,
+        config: MoEConfig,
+        policy: AbstractPolicy | None,
+        *,
+        key: PRNGKeyArray,
+    ):
+        E, F = config.n_experts, config.d_expert
+        kr, kg, ku, kd, ks = jr.split(key, 5)
+        self.router = _uniform(kr, (E, d_model), d_model)
+        self.w_gate = _uniform(kg, (E, d_model, F), d_model)
+        self.w_up = _uniform(ku, (E, d_model, F), d_model)
+        self.w_down = _uniform(kd, (E, F, d_model), F)
+        n_shared = config.n_shared_experts
+        self.shared = FFN(d_model, n_shared * F, policy, key=ks) if n_shared else None
+        self.policy = policy
+        self.config = config
+
+    def __check_init__(self):
+        if self.policy is not None and not isinstance(self.policy, AbstractPolicy):
+            raise TypeError(f"MoE: `policy` must be a Policy or None, got {self.policy!r}.")
+
+    def route(
+        self, x: Float[Array, "tokens d_model"]
+    ) -> tuple[
+        Float[Array, "tokens top_k"],
+        Int[Array, "tokens top_k"],
+        Float[Array, "tokens n_experts"],
+    ]:
+        """The routing of tokens `x`: `(weights, experts, logits)`.
+
+        `experts[t]` are the `top_k` chosen experts of token `t` (most probable first),
+        `weights[t]` their combination weights (float32) and `logits` the float32 router
+        logits.
+        """
+        logits = jnp.dot(x, self.router.astype(x.dtype).T, preferred_element_type=_F32)
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, experts = jax.lax.top_k(probs, self.config.top_k)
+        if self.config.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return weights, experts.astype(jnp.int32), logits
+
+    def aux_loss(
+        self, experts: Int[Array, "tokens top_k"], logits: Float[Array, "tokens n_experts"]
+    ) -> Float[Array, ""]:
+        """The weighted load-balancing loss plus router z-loss of one routing."""
+        c = self.config
+        T = experts.shape[0]
+        counts = jnp.bincount(experts.reshape(-1), length=c.n_experts).astype(_F32)
+        frac = counts / T  # f_e: fraction of tokens sent to e (sums to top_k)
+        mean_prob = jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0)  # P_e
+        balance = c.n_experts * jnp.sum(frac * mean_prob)
+        z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+        return c.aux_loss_coef * balance + c.z_loss_coef * z
+
+    def __call__(
+        self, x: Float[Array, "batch seq d_model"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "batch seq d_model"]:
+        """The block's output; see [`models.MoE.forward`][]."""
+        return self.forward(x, key=key)[0]
+
+    def forward(
+        self, x: Float[Array, "batch seq d_model"], *, key: PRNGKeyArray | None = None
+    ) -> tuple[Float[Array, "batch seq d_model"], Float[Array, ""]]:
+        """Route, run the experts, combine.
+
+        **Arguments:**
+
+        - `x`: activations `(batch, seq, d_model)`.
+        - `key`: a fresh key, split per expert GEMM and for the shared experts; required when
+          the policy is stochastic. (Keyword only argument.)
+
+        **Returns:**
+
+        `(y, aux)`: the output in the dtype of `x` and the weighted auxiliary loss.
+        """
+        B, S, D = x.shape
+        c = self.config
+        T, k, E = B * S, c.top_k, c.n_experts
+        xf = x.reshape(T, D)
+        weights, experts, logits = self.route(xf)
+        # Sort the (token, slot) pairs by expert; pair id = token * top_k + slot.
+        flat = experts.reshape(T * k)
+        order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+        group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+        token = order // k
+        ids = dict(row_id=order, example_id=token // S, num_examples=B)
+        keys = [None] * 4 if key is None else list(jr.split(key, 4))
+        xs = xf[token]
+        qr = lambda h, w, kk: qragged_dot(h, w, group_sizes, policy=self.policy, key=kk, **ids)
+        h = jax.nn.silu(qr(xs, self.w_gate, keys[0])) * qr(xs, self.w_up, keys[1])
+        ys = qr(h, self.w_down, keys[2])
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(T * k, dtype=jnp.int32))
+        y = jnp.einsum("tkd,tk->td", ys[inverse].reshape(T, k, D), weights.astype(x.dtype))
+        y = y.reshape(B, S, D)
+        if self.shared is not None:
+            y = y + self.shared(x, key=keys[3])
+        return y, self.aux_loss(experts, logits)
