@@ -25,9 +25,12 @@ from ._data import (
 )
 from ._loop import (
     build_model as build_model,
+    compare as compare,
     evaluate as evaluate,
+    load_run as load_run,
     make_optimizer as make_optimizer,
     model_config as model_config,
+    sample as sample,
     train as train,
     TrainConfig as TrainConfig,
     TrainResult as TrainResult,

@@ -173,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"rounding preset: {', '.join(policies)} (default: {_DEFAULTS.policy})",
     )
     t.add_argument("--out", metavar="DIR", help="run folder (default: runs/PRESET-POLICY)")
+    t.set_defaults(_parser=t)
     t.add_argument(
         "--resume", action="store_true", help="continue from DIR/checkpoint (bit-exact)"
     )
@@ -331,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = {"train": _train, "compare": _compare, "sample": _sample}[args.command]
     try:
-        return command(parser, args)
+        return command(getattr(args, "_parser", parser), args)
     except FileNotFoundError as e:
         print(f"s3req {args.command}: {e}", file=sys.stderr)
         return 1

