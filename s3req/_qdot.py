@@ -11,7 +11,6 @@ from jaxtyping import Array, Float, Int8, PRNGKeyArray
 from ._interfaces import AbstractPolicy
 from ._quantize import (
     absmax_scale,
-    error_stats,
     gradient_step,
     QMAX,
     round_to_int8,
@@ -69,8 +68,16 @@ def _forward(x, w, policy: AbstractPolicy):
     y = (acc.astype(_F32) * sx * sw[None]).astype(x.dtype)
     ec = policy.correction
     # Small factors for the error correction, from the forward pass (int32, exact).
-    xsum = jnp.sum(xq, axis=1, dtype=_I32) if ec.dw else None  # (B, H): S * xbar_b
-    rw = jnp.sum(wq, axis=1, dtype=_I32) if ec.dx_token else None  # (H,): W 1_D
+    # Sums as int8 GEMVs against ones: XLA then reads the int8 operands instead of
+    # quantizing w a second time into a full-size int32 temporary.
+    xsum = (
+        _int_dot(xq, jnp.ones(xq.shape[:2], jnp.int8), ((1,), (1,)), ((0,), (0,)))
+        if ec.dw
+        else None
+    )  # (B, H): S * xbar_b
+    rw = (
+        _int_dot(wq, jnp.ones(wq.shape[1:], jnp.int8), ((1,), (0,))) if ec.dx_token else None
+    )  # (H,): W 1_D
     return y, (xq, wq, sx, sw, xsum, rw)
 
 
@@ -113,6 +120,27 @@ def quantize_gradient(
     return out[0], out[1]
 
 
+def _error_means(q, gp, inv, *, channel: bool):
+    """Token means `eps` and, if `channel`, centred channel means `a - m` of the error.
+
+    The error in units of the step is `e = q - y` with `y = G' * inv`. Its sums are taken as
+    `sum(q) - inv * sum(G')`: the sums of the int8 codes are exact int32 GEMVs against ones,
+    and the sums of `G'` are reductions of the tensor the step size was already computed
+    from, so the quantizer is not recomputed and no full-size error tensor is formed.
+    (`y` is clipped to [-127, 127] before rounding; only the largest element can be clipped,
+    by a float rounding, so the sums agree with `error_stats(q, y)` to float precision.)
+    """
+    B, S, D = q.shape
+    qrow = _int_dot(q, jnp.ones((D,), jnp.int8), ((2,), (0,)))  # (B, S)
+    eps = (qrow.astype(_F32) - inv * jnp.sum(gp, axis=2)) / D
+    if not channel:
+        return eps, None
+    qcol = _int_dot(q, jnp.ones((B, S), jnp.int8), ((1,), (1,)), ((0,), (0,)))  # (B, D)
+    a = (qcol.astype(_F32) - inv * jnp.sum(gp, axis=1)) / S
+    m = jnp.mean(eps, axis=1)
+    return eps, a - m[:, None]
+
+
 def _qdot3_bwd(policy: AbstractPolicy, residuals, g):
     (xq, wq, sx, sw, xsum, rw), key, x_like, w_like = residuals
     B, S, D = g.shape
@@ -127,21 +155,26 @@ def _qdot3_bwd(policy: AbstractPolicy, residuals, g):
     )
     y = jnp.clip(gp * inv, -QMAX, QMAX)
     q_dx, q_dw = quantize_gradient(policy, y, key, Block.whole((B, S, D)))
+    if policy.correction.dx_token or policy.correction.dw:
+        # Materialize the codes once: the GEMMs and the error sums read the same int8 tensor
+        # (otherwise XLA recomputes the quantizer for every consumer).
+        if q_dx is q_dw:
+            q_dx = q_dw = jax.lax.optimization_barrier(q_dx)
+        else:
+            q_dx, q_dw = jax.lax.optimization_barrier((q_dx, q_dw))
 
     dx = _int_dot(q_dx, wq, ((2,), (1,))).astype(_F32)  # (B, S, H)
     dw = _token_contraction(xq, q_dw)  # (H, D)
 
     ec = policy.correction
     if ec.dx_token or ec.dx_channel:
-        eps, a, m = error_stats(q_dx, y)
+        eps, am = _error_means(q_dx, gp, inv, channel=ec.dx_channel)
         if ec.dx_token:
             dx = dx - eps[..., None] * rw.astype(_F32)[None, None, :]
         if ec.dx_channel:
-            am = a - m[:, None]  # (B, D)
             dx = dx - jnp.dot(am, wq.T.astype(_F32))[:, None, :]
     if ec.dw:
-        eps, a, m = error_stats(q_dw, y)
-        am = a - m[:, None]
+        eps, am = _error_means(q_dw, gp, inv, channel=True)
         token_term = jnp.einsum("bsh,bs->h", xq.astype(_F32), eps)
         dw = dw - jnp.dot(xsum.T.astype(_F32), am) - token_term[:, None]
 
