@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import typing
 
 import equinox as eqx
 import jax
@@ -33,7 +34,7 @@ def data():
 
 
 def _config(tmp_path, name, **kw):
-    base = dict(
+    base: dict[str, typing.Any] = dict(
         steps=6,
         batch=2,
         seq_len=16,
@@ -49,7 +50,9 @@ def _config(tmp_path, name, **kw):
 
 def _mem(**kw):
     """An in-memory config sharing the optimizer (hence the compiled step) of `_config`."""
-    base = dict(steps=6, batch=2, seq_len=16, warmup=2, eval_every=0, eval_batches=1, model=SMALL)
+    base: dict[str, typing.Any] = dict(
+        steps=6, batch=2, seq_len=16, warmup=2, eval_every=0, eval_batches=1, model=SMALL
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -159,12 +162,8 @@ def test_step_keys_are_fresh(data, monkeypatch):
 
 
 def test_bf16_compute(data):
-    kw = dict(steps=2, batch=2, seq_len=16, eval_every=0, eval_batches=1, model=SMALL)
-    r = train(
-        TrainConfig(**kw, compute_dtype="bfloat16", policy="s3r"),
-        data=data,
-        progress=False,
-    )
+    cfg = _mem(compute_dtype="bfloat16", policy="s3r")
+    r = train(cfg, data=data, stop_at=2, progress=False)
     assert all(math.isfinite(m["train_loss"]) for m in r.metrics)
     assert r.model.config.compute_dtype == "bfloat16"
 

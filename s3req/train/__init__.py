@@ -12,6 +12,7 @@ from ._checkpoint import (
     load_checkpoint as load_checkpoint,
     save_checkpoint as save_checkpoint,
 )
+from ._cli import main as main
 from ._data import (
     bpe_cached as bpe_cached,
     cache_dir as cache_dir,

@@ -517,7 +517,7 @@ def train(
             data.tokenizer.save(out / TOKENIZER_FILE)
         metrics_path.write_text("".join(json.dumps(r) + "\n" for r in metrics))
 
-    def save(state: tuple[typing.Any, typing.Any, int, dict[str, typing.Any]]) -> None:
+    def save(state: tuple[typing.Any, ...]) -> None:
         if out is not None:
             meta = {
                 "step": state[2],
@@ -630,7 +630,7 @@ def train(
 
 def _lr(schedule: optax.Schedule, step: int) -> float:
     with jax.numpy_dtype_promotion("standard"):
-        return float(schedule(step))
+        return float(jnp.asarray(schedule(step)))
 
 
 def _progress_bar(total: int, initial: int, enabled: bool) -> typing.Any:

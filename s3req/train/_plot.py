@@ -12,6 +12,9 @@ def plot_curves(
 ) -> pathlib.Path:
     """Plot training and validation loss against step for several runs into a PNG.
 
+    With two or more runs a third panel shows each run's validation loss minus the first
+    run's (the baseline), where the curves themselves overlap.
+
     **Arguments:**
 
     - `runs`: run label -> metrics records (the lines of each run's `metrics.jsonl`).
@@ -27,10 +30,13 @@ def plot_curves(
         from matplotlib.figure import Figure
     except ImportError:
         raise ImportError("Plots need matplotlib: pip install 's3req[train]'.") from None
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    with_delta = len(runs) > 1
+    fig = Figure(figsize=(16 if with_delta else 11, 4.2), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_train, ax_val = fig.subplots(1, 2)
-    for label, records in runs.items():
+    axes = fig.subplots(1, 3 if with_delta else 2)
+    ax_train, ax_val = axes[0], axes[1]
+    base: dict[int, float] = {}
+    for i, (label, records) in enumerate(runs.items()):
         train = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]
         val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
         if train:
@@ -40,6 +46,19 @@ def plot_curves(
             color = None
         if val:
             ax_val.plot(*zip(*val), marker="o", markersize=3, label=label, color=color)
+        if with_delta:
+            if i == 0:
+                base = dict(val)
+            delta = [(s, v - base[s]) for s, v in val if s in base]
+            if delta:
+                axes[2].plot(*zip(*delta), marker="o", markersize=3, label=label, color=color)
+    if with_delta:
+        first = next(iter(runs))
+        axes[2].set_xlabel("step")
+        axes[2].set_ylabel(f"val loss - {first} (nats/token)")
+        axes[2].set_title(f"validation loss vs {first}")
+        axes[2].grid(alpha=0.3)
+        axes[2].legend(fontsize="small")
     for ax, name in ((ax_train, "train loss"), (ax_val, "validation loss")):
         ax.set_xlabel("step")
         ax.set_ylabel(f"{name} (nats/token)")
