@@ -14,5 +14,5 @@ from ._llama import (
     Llama as Llama,
     RMSNorm as RMSNorm,
 )
-from ._moe import MoE as MoE
+from ._moe import MoE as MoE, sort_by_expert as sort_by_expert
 from ._presets import get_config as get_config, PRESETS as PRESETS

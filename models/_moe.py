@@ -24,6 +24,29 @@ def _uniform(key, shape, fan_in):
     return jr.uniform(key, shape, _F32, -lim, lim)
 
 
+def sort_by_expert(
+    experts: Int[Array, "tokens top_k"], n_experts: int
+) -> tuple[Int[Array, " pairs"], Int[Array, " n_experts"]]:
+    """Sort the `(token, slot)` pairs of a routing by expert; drop nothing.
+
+    **Arguments:**
+
+    - `experts`: the chosen experts of every token, `(tokens, top_k)`.
+    - `n_experts`: number of experts.
+
+    **Returns:**
+
+    `(order, group_sizes)`: `order[r]` is the pair id `token * top_k + slot` of sorted row `r`
+    (a permutation of `range(tokens * top_k)`, stable, so each expert's rows stay in token
+    order), and `group_sizes[e]` the number of rows of expert `e` (summing to
+    `tokens * top_k`).
+    """
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+    return order, group_sizes
+
+
 @typing.final
 class MoE(eqx.Module):
     """A mixture-of-experts SwiGLU FFN (Qwen3-MoE / DeepSeek-MoE style) that drops no token.
@@ -32,7 +55,7 @@ class MoE(eqx.Module):
     each token goes to its `top_k` most probable experts with weights $p_{t,e}$ (renormalised
     over the chosen experts when `norm_topk_prob`). The `(token, slot)` pairs are sorted by
     expert and every expert's SwiGLU runs as three INT8 ragged GEMMs
-    ([`s3req._ragged.qragged_dot`][], int32 accumulation, thresholds keyed by the global
+    (`s3req.qragged_dot`, int32 accumulation, thresholds keyed by the global
     `(token, slot)` id, error correction over `(example, expert)` segments). Shared experts,
     if any, are one [`models.FFN`][] of width `n_shared_experts * d_expert` that sees every
     token.
@@ -142,9 +165,7 @@ class MoE(eqx.Module):
         xf = x.reshape(T, D)
         weights, experts, logits = self.route(xf)
         # Sort the (token, slot) pairs by expert; pair id = token * top_k + slot.
-        flat = experts.reshape(T * k)
-        order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-        group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+        order, group_sizes = sort_by_expert(experts, E)
         token = order // k
         ids = dict(row_id=order, example_id=token // S, num_examples=B)
         keys = [None] * 4 if key is None else list(jr.split(key, 4))
