@@ -512,6 +512,12 @@ def train(
                 raise ValueError(
                     f"--resume: the checkpoint is at step {start}, past --steps {config.steps}."
                 )
+        elif has_checkpoint(out):
+            print(
+                f"note: {out} holds the checkpoint of an earlier run; starting a new run there "
+                "(the checkpoint is replaced at the next save). Use --resume to continue it.",
+                file=sys.stderr,
+            )
         (out / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=1))
         if data.tokenizer is not None:
             data.tokenizer.save(out / TOKENIZER_FILE)

@@ -168,9 +168,7 @@ def train_bpe(text: str, vocab_size: int = 4096) -> BPETokenizer:
         show_progress=False,
     )
     chunk = 1 << 16
-    tok.train_from_iterator(
-        (text[i : i + chunk] for i in range(0, len(text), chunk)), trainer
-    )
+    tok.train_from_iterator((text[i : i + chunk] for i in range(0, len(text), chunk)), trainer)
     return BPETokenizer(tok)
 
 
