@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 import s3req.train._data as data_mod
 from s3req.train import (
     BPETokenizer,
@@ -172,13 +173,9 @@ def test_cache_dir_env(tmp_path, monkeypatch):
 
 def test_bpe_data_cached(tmp_path, monkeypatch):
     _write_docs(tmp_path / "docs")
-    d1 = load_data(
-        tmp_path / "docs", tokenizer="bpe", bpe_vocab=280, cache=tmp_path / "c"
-    )
+    d1 = load_data(tmp_path / "docs", tokenizer="bpe", bpe_vocab=280, cache=tmp_path / "c")
     monkeypatch.setattr(data_mod, "train_bpe", lambda *a: pytest.fail("BPE retrained"))
-    d2 = load_data(
-        tmp_path / "docs", tokenizer="bpe", bpe_vocab=280, cache=tmp_path / "c"
-    )
+    d2 = load_data(tmp_path / "docs", tokenizer="bpe", bpe_vocab=280, cache=tmp_path / "c")
     assert d1.tokenizer is not None and d2.tokenizer is not None
     assert d1.tokenizer.fingerprint == d2.tokenizer.fingerprint
     assert d2.vocab_size == d2.tokenizer.vocab_size
@@ -222,9 +219,7 @@ def test_windows():
     # A cap spreads the windows over the stream, deterministically.
     capped = [t for t, _ in d.val_batches(2, 10, max_batches=2)]
     assert len(capped) == 2
-    np.testing.assert_array_equal(
-        np.concatenate(capped)[:, 0], 1000 + 10 * np.array([0, 2, 5, 7])
-    )
+    np.testing.assert_array_equal(np.concatenate(capped)[:, 0], 1000 + 10 * np.array([0, 2, 5, 7]))
     with pytest.raises(ValueError, match="seq-len"):
         d.sample_batch(np.random.default_rng(0), 1, 1000)
     with pytest.raises(ValueError, match="seq-len"):
