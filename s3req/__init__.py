@@ -9,6 +9,7 @@ from ._interfaces import (
 )
 from ._linear import QuantLinear as QuantLinear
 from ._qdot import (
+    gradient_codes as gradient_codes,
     MAX_TERMS as MAX_TERMS,
     qdot as qdot,
     quantize_gradient as quantize_gradient,
@@ -20,6 +21,7 @@ from ._quantize import (
     round_to_int8 as round_to_int8,
     sr_codes as sr_codes,
 )
+from ._sharding import ShardAxes as ShardAxes
 from ._surgery import quantize as quantize
 from ._threefry import random_bits as random_bits, threefry2x32 as threefry2x32
 from ._thresholds import (

@@ -16,7 +16,8 @@ from ._quantize import (
     round_to_int8,
     sr_codes,
 )
-from ._thresholds import Block, Layout
+from ._sharding import NO_AXES, ShardAxes
+from ._thresholds import Layout
 
 
 MAX_TERMS = (2**31 - 1) // (QMAX * QMAX)
@@ -56,38 +57,55 @@ def _token_contraction(xq: Int8[Array, "b s h"], q: Int8[Array, "b s d"]) -> Flo
     return hi.astype(_F32) * 65536.0 + lo.astype(_F32)
 
 
-def _forward(x, w, policy: AbstractPolicy):
-    sx = absmax_scale(x, axis=-1)  # (B, S, 1)
-    sw = absmax_scale(w, axis=0)  # (1, D)
-    # max|.| propagates NaN and Inf, so checking the scales checks every element.
-    sx = eqx.error_if(sx, ~jnp.all(jnp.isfinite(sx)), "s3req.qdot: x contains NaN or Inf.")
-    sw = eqx.error_if(sw, ~jnp.all(jnp.isfinite(sw)), "s3req.qdot: w contains NaN or Inf.")
+def _check_finite(scale: Array, ax: ShardAxes, roles: tuple, msg: str) -> Array:
+    """Raise (at run time) if a scale is not finite: max|.| propagates NaN and Inf, so this
+    checks every element. The flag is reduced over the shards first, so inside `shard_map`
+    the check runs on a value that is the same on every shard."""
+    bad = ax.pmax(jnp.any(~jnp.isfinite(scale)).astype(jnp.int32), *roles)
+    one = eqx.error_if(jnp.ones((), scale.dtype), bad > 0, msg)
+    return scale * one
+
+
+def _forward(x, w, policy: AbstractPolicy, ax: ShardAxes):
+    h_all, d_all = w.shape[0] * ax.size("d_in"), w.shape[1] * ax.size("d_out")
+    if max(h_all, d_all) > MAX_TERMS:
+        raise ValueError(
+            f"s3req.qdot: feature dimensions above {MAX_TERMS} would overflow int32 "
+            f"accumulation, got a global weight of shape {(h_all, d_all)}."
+        )
+    # Global scales: the per-token max runs over all of d_in, the per-channel max too.
+    sx = ax.pmax(absmax_scale(x, axis=-1), "d_in")  # (B, S, 1)
+    sw = ax.pmax(absmax_scale(w, axis=0), "d_in")  # (1, D)
+    sx = _check_finite(sx, ax, ("batch", "seq", "d_in"), "s3req.qdot: x contains NaN or Inf.")
+    sw = _check_finite(sw, ax, ("d_in", "d_out"), "s3req.qdot: w contains NaN or Inf.")
     xq = round_to_int8(x, sx)
     wq = round_to_int8(w, sw)
-    acc = _int_dot(xq, wq, ((2,), (0,)))
+    acc = ax.psum(_int_dot(xq, wq, ((2,), (0,))), "d_in")  # exact int32 partial sums
     y = (acc.astype(_F32) * sx * sw[None]).astype(x.dtype)
     ec = policy.correction
     # Small factors for the error correction, from the forward pass (int32, exact).
     # Sums as int8 GEMVs against ones: XLA then reads the int8 operands instead of
     # quantizing w a second time into a full-size int32 temporary.
     xsum = (
-        _int_dot(xq, jnp.ones(xq.shape[:2], jnp.int8), ((1,), (1,)), ((0,), (0,)))
+        ax.psum(_int_dot(xq, jnp.ones(xq.shape[:2], jnp.int8), ((1,), (1,)), ((0,), (0,))), "seq")
         if ec.dw
         else None
     )  # (B, H): S * xbar_b
     rw = (
-        _int_dot(wq, jnp.ones(wq.shape[1:], jnp.int8), ((1,), (0,))) if ec.dx_token else None
+        ax.psum(_int_dot(wq, jnp.ones(wq.shape[1:], jnp.int8), ((1,), (0,))), "d_out")
+        if ec.dx_token
+        else None
     )  # (H,): W 1_D
     return y, (xq, wq, sx, sw, xsum, rw)
 
 
-@ft.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _qdot3(policy: AbstractPolicy, x, w, key):
-    return _forward(x, w, policy)[0]
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _qdot3(policy: AbstractPolicy, ax: ShardAxes, x, w, key):
+    return _forward(x, w, policy, ax)[0]
 
 
-def _qdot3_fwd(policy: AbstractPolicy, x, w, key):
-    y, res = _forward(x, w, policy)
+def _qdot3_fwd(policy: AbstractPolicy, ax: ShardAxes, x, w, key):
+    y, res = _forward(x, w, policy, ax)
     # Dtypes travel as zero-size arrays (numpy dtype objects cannot be residuals).
     return y, (res, key, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
@@ -120,7 +138,44 @@ def quantize_gradient(
     return out[0], out[1]
 
 
-def _error_means(q, gp, inv, *, channel: bool):
+def gradient_codes(
+    policy: AbstractPolicy,
+    gp: Float[Array, "b s d"],
+    key: PRNGKeyArray | None,
+    axes: ShardAxes | None = None,
+) -> tuple[Float[Array, ""], Float[Array, ""], Int8[Array, "b s d"], Int8[Array, "b s d"]]:
+    """Quantize the scale-folded gradient `G'` as the backward pass of `qdot` does.
+
+    One per-tensor step `delta = max|G'| / 127` over the whole logical tensor (a `pmax` over
+    the sharded axes inside `shard_map`), then the int8 codes for the dX and the dW GEMM with
+    the thresholds of the policy's topology for this block of `G'`.
+
+    **Arguments:**
+
+    - `policy`: the rounding policy.
+    - `gp`: `G' = s_x G s_w`, float32, `(b, s, d)` (a shard's block inside `shard_map`).
+    - `key`: the key of this backward pass (as given to `qdot`).
+    - `axes`: the mesh axes sharding `gp` inside `shard_map` (`None`: unsharded or `jit`).
+
+    **Returns:**
+
+    `(delta, inv, q_dx, q_dw)`; `q_dx is q_dw` for policies that quantize once.
+    """
+    ax = NO_AXES if axes is None else axes
+    amax_local = jnp.max(jnp.abs(gp))
+    delta, inv = gradient_step(ax.pmax(amax_local, "batch", "seq", "d_out"))
+    delta = eqx.error_if(
+        delta,
+        ~jnp.isfinite(delta),
+        "s3req.qdot: the upstream gradient contains NaN or Inf (check the loss and the "
+        "layers above this one).",
+    )
+    y = jnp.clip(gp * inv, -QMAX, QMAX)
+    q_dx, q_dw = quantize_gradient(policy, y, key, ax.block(gp.shape))  # pyright: ignore
+    return delta, inv, q_dx, q_dw
+
+
+def _error_means(q, gp, inv, ax: ShardAxes, *, channel: bool):
     """Token means `eps` and, if `channel`, centred channel means `a - m` of the error.
 
     The error in units of the step is `e = q - y` with `y = G' * inv`. Its sums are taken as
@@ -129,33 +184,28 @@ def _error_means(q, gp, inv, *, channel: bool):
     from, so the quantizer is not recomputed and no full-size error tensor is formed.
     (`y` is clipped to [-127, 127] before rounding; only the largest element can be clipped,
     by a float rounding, so the sums agree with `error_stats(q, y)` to float precision.)
+    Inside `shard_map` the sums run over the global token and channel axes (`psum`).
     """
     B, S, D = q.shape
+    D_all, S_all = D * ax.size("d_out"), S * ax.size("seq")
     qrow = _int_dot(q, jnp.ones((D,), jnp.int8), ((2,), (0,)))  # (B, S)
-    eps = (qrow.astype(_F32) - inv * jnp.sum(gp, axis=2)) / D
+    row = ax.psum(qrow.astype(_F32) - inv * jnp.sum(gp, axis=2), "d_out")
+    eps = row / D_all
     if not channel:
         return eps, None
     qcol = _int_dot(q, jnp.ones((B, S), jnp.int8), ((1,), (1,)), ((0,), (0,)))  # (B, D)
-    a = (qcol.astype(_F32) - inv * jnp.sum(gp, axis=1)) / S
-    m = jnp.mean(eps, axis=1)
+    a = ax.psum(qcol.astype(_F32) - inv * jnp.sum(gp, axis=1), "seq") / S_all
+    m = ax.psum(jnp.sum(eps, axis=1), "seq") / S_all
     return eps, a - m[:, None]
 
 
-def _qdot3_bwd(policy: AbstractPolicy, residuals, g):
+def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, residuals, g):
     (xq, wq, sx, sw, xsum, rw), key, x_like, w_like = residuals
-    B, S, D = g.shape
     # Fold both scales into the gradient, one per-tensor step (float32 even for bf16 G).
     gp = sx * g.astype(_F32) * sw[None]
-    delta, inv = gradient_step(gp)
-    delta = eqx.error_if(
-        delta,
-        ~jnp.isfinite(delta),
-        "s3req.qdot: the upstream gradient contains NaN or Inf (check the loss and the "
-        "layers above this one).",
-    )
-    y = jnp.clip(gp * inv, -QMAX, QMAX)
-    q_dx, q_dw = quantize_gradient(policy, y, key, Block.whole((B, S, D)))
-    if policy.correction.dx_token or policy.correction.dw:
+    delta, inv, q_dx, q_dw = gradient_codes(policy, gp, key, ax)
+    ec = policy.correction
+    if ec.dx_token or ec.dw:
         # Materialize the codes once: the GEMMs and the error sums read the same int8 tensor
         # (otherwise XLA recomputes the quantizer for every consumer).
         if q_dx is q_dw:
@@ -163,20 +213,24 @@ def _qdot3_bwd(policy: AbstractPolicy, residuals, g):
         else:
             q_dx, q_dw = jax.lax.optimization_barrier((q_dx, q_dw))
 
-    dx = _int_dot(q_dx, wq, ((2,), (1,))).astype(_F32)  # (B, S, H)
-    dw = _token_contraction(xq, q_dw)  # (H, D)
+    dx = ax.psum(_int_dot(q_dx, wq, ((2,), (1,))), "d_out").astype(_F32)  # (B, S, H)
+    dw = _token_contraction(xq, q_dw)  # (H, D), this shard's tokens
 
-    ec = policy.correction
     if ec.dx_token or ec.dx_channel:
-        eps, am = _error_means(q_dx, gp, inv, channel=ec.dx_channel)
+        eps, am = _error_means(q_dx, gp, inv, ax, channel=ec.dx_channel)
         if ec.dx_token:
             dx = dx - eps[..., None] * rw.astype(_F32)[None, None, :]
         if ec.dx_channel:
-            dx = dx - jnp.dot(am, wq.T.astype(_F32))[:, None, :]
+            dx = dx - ax.psum(jnp.dot(am, wq.T.astype(_F32)), "d_out")[:, None, :]
     if ec.dw:
-        eps, am = _error_means(q_dw, gp, inv, channel=True)
+        eps, am = _error_means(q_dw, gp, inv, ax, channel=True)
         token_term = jnp.einsum("bsh,bs->h", xq.astype(_F32), eps)
-        dw = dw - jnp.dot(xsum.T.astype(_F32), am) - token_term[:, None]
+        dw = dw - token_term[:, None]
+        # xsum and am are already sums over all tokens: this term sums over examples only.
+        channel_term = ax.psum(jnp.dot(xsum.T.astype(_F32), am), "batch")
+        dw = ax.psum(dw, "batch", "seq") - channel_term
+    else:
+        dw = ax.psum(dw, "batch", "seq")  # w is replicated over the token axes
 
     dx = (delta * dx / sx).astype(x_like.dtype)
     dw = (delta * dw / sw).astype(w_like.dtype)
@@ -228,6 +282,7 @@ def qdot(
     *,
     policy: AbstractPolicy | None,
     key: PRNGKeyArray | None = None,
+    axes: ShardAxes | None = None,
 ) -> Float[Array, "*batch d_out"]:
     """Quantized `x @ w` with an INT8 forward and an INT8 backward (DESIGN.md section 3).
 
@@ -249,6 +304,8 @@ def qdot(
       float matmul (`w` is cast to the dtype of `x`).
     - `key`: a fresh PRNG key for the backward thresholds. Keyword only; required when the
       policy is stochastic.
+    - `axes`: inside `jax.shard_map`, the mesh axes that shard the operands (a
+      [`s3req.ShardAxes`][]); `None` under `jax.jit` sharding or unsharded. Keyword only.
 
     **Returns:**
 
@@ -259,8 +316,9 @@ def qdot(
     """
     _check(x, w, policy, key)
     if policy is None:
-        return jnp.matmul(x, w.astype(x.dtype))
+        y = jnp.matmul(x, w.astype(x.dtype))
+        return y if axes is None else axes.psum(y, "d_in")
     lead = x.shape[:-1]
     x3 = x.reshape((1,) * (3 - x.ndim) + x.shape)
-    y = _qdot3(policy, x3, w, key)
+    y = _qdot3(policy, NO_AXES if axes is None else axes, x3, w, key)
     return y.reshape(lead + (w.shape[1],))

@@ -1,3 +1,9 @@
+import os
+
+
+# Eight host CPU devices for the sharding tests (set before JAX starts its backend).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
 import jax
 import jax.random as jr
 import pytest

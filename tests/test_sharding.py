@@ -1,0 +1,180 @@
+"""Sharding: thresholds and int8 gradient codes are bitwise identical on every mesh.
+
+Runs on 8 host CPU devices (tests/conftest.py sets `--xla_force_host_platform_device_count=8`).
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from policies import Independent, Phi2D, PhiBcast, Policy, TwoWayEC
+from s3req import Block, gradient_codes, qdot, ShardAxes
+
+from .helpers import ALL_POLICIES, policy_id, STOCHASTIC_TOPOLOGIES
+
+
+MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
+B, S, H, D = 8, 8, 16, 32
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
+
+
+def _mesh(shape):
+    # Auto axes: XLA's SPMD partitioner chooses the collectives under jit (GSPMD).
+    return jax.make_mesh(shape, ("fsdp", "tp"), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _put(x, mesh, spec):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def _full_thresholds(topology, key, block, shape):
+    th = topology.thresholds(key, block, "dx")
+    return jnp.broadcast_to(th[0], shape)
+
+
+@pytest.mark.parametrize("topology", STOCHASTIC_TOPOLOGIES, ids=lambda t: type(t).__name__)
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+def test_thresholds_bitwise(topology, mesh_shape, getkey):
+    key = getkey()
+    ref = _full_thresholds(topology, key, Block.whole((B, S, D)), (B, S, D))
+    mesh = _mesh(mesh_shape)
+    spec = P("fsdp", None, "tp")
+    # under jit with a NamedSharding: XLA partitions the counter arithmetic
+    jitted = jax.jit(
+        lambda k: _full_thresholds(topology, k, Block.whole((B, S, D)), (B, S, D)),
+        out_shardings=NamedSharding(mesh, spec),
+    )(key)
+    np.testing.assert_array_equal(jitted, ref)
+    # inside shard_map: every shard computes its own block from global indices
+    axes = ShardAxes(batch="fsdp", d_out="tp")
+    local = (B // mesh_shape[0], S, D // mesh_shape[1])
+
+    def shard(k):
+        return _full_thresholds(topology, k, axes.block(local), local)
+
+    mapped = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P(), out_specs=spec))(key)
+    np.testing.assert_array_equal(mapped, ref)
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES, ids=policy_id)
+def test_gradient_codes_bitwise(policy, getkey):
+    gp = jr.normal(getkey(), (B, S, D)) * jnp.exp(jr.normal(getkey(), (B, S, D)))
+    key = getkey()
+    ref = gradient_codes(policy, gp, key)
+    for mesh_shape in MESHES:
+        mesh = _mesh(mesh_shape)
+        spec = P("fsdp", None, "tp")
+        sh = NamedSharding(mesh, spec)
+        got = jax.jit(lambda g, k: gradient_codes(policy, g, k), in_shardings=(sh, None))(
+            jax.device_put(gp, sh), key
+        )
+        axes = ShardAxes(batch="fsdp", d_out="tp")
+        mapped = jax.jit(
+            jax.shard_map(
+                lambda g, k: gradient_codes(policy, g, k, axes),
+                mesh=mesh,
+                in_specs=(spec, P()),
+                out_specs=(P(), P(), spec, spec),
+            )
+        )(_put(gp, mesh, spec), key)
+        for out in (got, mapped):
+            assert float(out[0]) == float(ref[0])  # the global step, bitwise
+            np.testing.assert_array_equal(out[2], ref[2])
+            np.testing.assert_array_equal(out[3], ref[3])
+
+
+def _vjp(policy, x, w, g, key, axes=None):
+    _, f = jax.vjp(lambda x, w: qdot(x, w, policy=policy, key=key, axes=axes), x, w)
+    return f(g)
+
+
+LAYOUTS = {
+    # column-parallel: w split on d_out
+    "column": (
+        ShardAxes(batch="fsdp", d_out="tp"),
+        P("fsdp"),
+        P(None, "tp"),
+        P("fsdp", None, "tp"),
+    ),
+    # row-parallel: x and w split on d_in, output summed
+    "row": (ShardAxes(batch="fsdp", d_in="tp"), P("fsdp", None, "tp"), P("tp", None), P("fsdp")),
+    # sequence-parallel tokens
+    "seq": (ShardAxes(batch="fsdp", seq="tp"), P("fsdp", "tp"), P(), P("fsdp", "tp")),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "policy",
+    [Policy(Phi2D(), TwoWayEC()), Policy(PhiBcast(), TwoWayEC()), Policy(Independent())],
+    ids=policy_id,
+)
+def test_qdot_inside_shard_map(layout, policy, getkey):
+    """Forward, dX and dW inside shard_map agree with the unsharded qdot (float tolerance)."""
+    x = jr.normal(getkey(), (B, S, H))
+    w = jr.normal(getkey(), (H, D))
+    g = jr.normal(getkey(), (B, S, D))
+    key = getkey()
+    y_ref = qdot(x, w, policy=policy, key=key)
+    dx_ref, dw_ref = _vjp(policy, x, w, g, key)
+    axes, xs, ws, ys = LAYOUTS[layout]
+    for mesh_shape in MESHES:
+        mesh = _mesh(mesh_shape)
+        f = jax.jit(
+            jax.shard_map(
+                lambda x, w, g, k: (
+                    (qdot(x, w, policy=policy, key=k, axes=axes),)
+                    + tuple(_vjp(policy, x, w, g, k, axes))
+                ),
+                mesh=mesh,
+                in_specs=(xs, ws, ys, P()),
+                out_specs=(ys, xs, ws),
+            )
+        )
+        y, dx, dw = f(_put(x, mesh, xs), _put(w, mesh, ws), _put(g, mesh, ys), key)
+        np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            dx, dx_ref, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(dx_ref)))
+        )
+        np.testing.assert_allclose(
+            dw, dw_ref, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(dw_ref)))
+        )
+
+
+def _u32_sizes(hlo: str) -> list[int]:
+    sizes = []
+    for dims in re.findall(r"u32\[([\d,]+)\]", hlo):
+        sizes.append(int(np.prod([int(d) for d in dims.split(",")])))
+    return sizes
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1), (2, 4)], ids=str)
+def test_no_full_size_random_tensor(mesh_shape, getkey):
+    """Phi2D/PhiBcast hash B*S/4 (B/4) words: no uint32 tensor of a shard's gradient size
+    appears in the compiled backward; Independent SR does have one (so the check can fail)."""
+    mesh = _mesh(mesh_shape)
+    spec = P("fsdp", None, "tp")
+    sh = NamedSharding(mesh, spec)
+    x = jax.device_put(jr.normal(getkey(), (B, S, H)), NamedSharding(mesh, P("fsdp")))
+    w = jax.device_put(jr.normal(getkey(), (H, D)), NamedSharding(mesh, P(None, "tp")))
+    g = jax.device_put(jr.normal(getkey(), (B, S, D)), sh)
+    shard_elems = B * S * D // 8
+    for policy, expect_full in [
+        (Policy(Phi2D()), False),
+        (Policy(PhiBcast()), False),
+        (Policy(Independent()), True),
+    ]:
+        hlo = (
+            jax.jit(lambda x, w, g, k, p=policy: _vjp(p, x, w, g, k))
+            .lower(x, w, g, getkey())
+            .compile()
+            .as_text()
+        )
+        biggest = max(_u32_sizes(hlo), default=0)
+        assert (biggest >= shard_elems) == expect_full, (policy, biggest, shard_elems)
