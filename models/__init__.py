@@ -8,6 +8,12 @@ from ._config import (
     RopeScaling as RopeScaling,
 )
 from ._ffn import FFN as FFN, PAPER_FFN_SHAPES as PAPER_FFN_SHAPES
+from ._hf import (
+    config_from_hf as config_from_hf,
+    config_to_hf as config_to_hf,
+    load_hf as load_hf,
+    save_hf as save_hf,
+)
 from ._llama import (
     Attention as Attention,
     DecoderLayer as DecoderLayer,

@@ -10,6 +10,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
+
 from s3req import AbstractPolicy, QuantLinear
 
 from ._config import LlamaConfig, RopeScaling
@@ -275,13 +276,13 @@ class Llama(eqx.Module):
         self.head = (
             None if c.tie_embeddings else 0.02 * jr.normal(kh, (c.vocab_size, c.d_model), _F32)
         )
-        layer_keys = jr.split(kl, c.n_layers)
         stacks = []
         n_dense = c.n_dense_layers
-        for moe, keys in ((False, layer_keys[:n_dense]), (True, layer_keys[n_dense:])):
-            if keys.shape[0]:
+        for moe, n, k in ((False, n_dense, kl), (True, c.n_layers - n_dense, jr.fold_in(kl, 1))):
+            if n:
                 make = lambda k, moe=moe: DecoderLayer(c, policy, moe=moe, key=k)
-                stacks.append(eqx.filter_vmap(make)(keys))
+                abstract = eqx.filter_eval_shape(eqx.filter_vmap(make), jr.split(k, n))
+                stacks.append(_init_stack(abstract, k))
         self.layers = tuple(stacks)
         self.norm = RMSNorm(c.d_model, c.norm_eps)
         self.config = c
@@ -343,6 +344,35 @@ class Llama(eqx.Module):
         head = self.embed if self.head is None else self.head
         logits = jnp.einsum("bsd,vd->bsv", h, head.astype(dtype), preferred_element_type=_F32)
         return logits, aux
+
+
+def _init_stack(abstract: DecoderLayer, key: PRNGKeyArray) -> DecoderLayer:
+    """Fill an abstract layer stack with the initialisation of its modules, drawing all of it
+    from ONE uniform tensor in one compiled program (compiling one random op per parameter
+    costs seconds on a CPU).
+
+    The rule is that of `QuantLinear` and `MoE`: norm weights (1-D per layer) are ones; a
+    linear weight or router `(out, in)` is uniform in $\\pm 1/\\sqrt{in}$; an expert weight
+    `(n_experts, in, out)` uniform in $\\pm 1/\\sqrt{in}$.
+    """
+    leaves, treedef = jtu.tree_flatten(abstract)
+
+    def fill(key):
+        u = jr.uniform(key, (sum(x.size for x in leaves),), _F32, -1.0, 1.0)
+        out, start = [], 0
+        for x in leaves:
+            rank = x.ndim - 1  # without the layer axis
+            if rank == 1:
+                out.append(jnp.ones(x.shape, x.dtype))
+            else:
+                assert rank in (2, 3), x.shape
+                fan_in = x.shape[-1] if rank == 2 else x.shape[-2]
+                part = u[start : start + x.size].reshape(x.shape) / math.sqrt(fan_in)
+                out.append(part.astype(x.dtype))
+            start += x.size
+        return out
+
+    return jtu.tree_unflatten(treedef, jax.jit(fill)(key))
 
 
 def _run_stack(stack: DecoderLayer, h, cos, sin, keys, remat: bool):

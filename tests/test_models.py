@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
-import models
 import numpy as np
 import optax
-import policies
 import pytest
+
+import models
+import policies
 import s3req._linear
 from models import (
     count_params,
@@ -22,6 +23,7 @@ from models import (
     Llama,
     LlamaConfig,
     PAPER_FFN_SHAPES,
+    PRESETS,
     RopeScaling,
 )
 from policies import Nearest, Phi2D, Policy, TwoWayEC
@@ -380,3 +382,68 @@ def test_count_params_matches_model(name, getkey):
     n = sum(x.size for x in jtu.tree_leaves(model))
     assert n == count_params(cfg)
     assert flops_per_token(cfg) > 6 * (count_params(cfg) - cfg.vocab_size * cfg.d_model)
+
+
+def _abstract_step(cfg, policy, batch=2, seq=8):
+    """Abstract model, tokens and key, and the loss-and-grad step of a training loop."""
+    model = eqx.filter_eval_shape(Llama, cfg, policy, key=jr.key(0))
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    key = jax.eval_shape(lambda: jr.key(0))
+
+    def loss(m, t, k):
+        logits, aux = m.forward(t, key=k)
+        return jnp.mean(jax.nn.logsumexp(logits, -1)) + aux
+
+    step = eqx.filter_value_and_grad(loss)
+    return model, tokens, key, step
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_shapes(name):
+    """Every preset builds abstractly, and forward + backward have the right shapes/dtypes."""
+    cfg = get_config(name)
+    model, tokens, key, step = _abstract_step(cfg, Policy(Phi2D(), TwoWayEC()))
+    leaves = jtu.tree_leaves(model)  # all ShapeDtypeStructs
+    assert sum(x.size for x in leaves) == count_params(cfg)
+    assert all(x.dtype == jnp.float32 for x in leaves)
+    logits, aux = eqx.filter_eval_shape(lambda m, t, k: m.forward(t, key=k), model, tokens, key)
+    assert logits.shape == (2, 8, cfg.vocab_size) and logits.dtype == jnp.float32
+    assert aux.shape == () and aux.dtype == jnp.float32
+    loss, grads = eqx.filter_eval_shape(step, model, tokens, key)
+    assert loss.shape == ()
+    g_leaves = jtu.tree_leaves(grads)
+    assert [g.shape for g in g_leaves] == [x.shape for x in leaves]
+    assert all(g.dtype == jnp.float32 for g in g_leaves)
+
+
+def test_known_parameter_counts():
+    """The shape-exact presets have the parameter counts of the real checkpoints."""
+    assert count_params(get_config("llama3.1-8b")) == 8_030_261_248
+    assert count_params(get_config("qwen3-8b")) == 8_190_735_360
+    assert count_params(get_config("qwen3-30b-a3b")) == 30_532_122_624
+    assert count_params(get_config("qwen3-30b-a3b"), active=True) == 3_353_032_704
+
+
+def _compile_memory(cfg, policy, batch, seq):
+    model, tokens, key, step = _abstract_step(cfg, policy, batch, seq)
+    dynamic, static = eqx.partition(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    f = jax.jit(lambda d, t, k: step(eqx.combine(d, static), t, k))
+    return f.lower(dynamic, tokens, key).compile().memory_analysis()
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_compile_only_memory_analysis(name):
+    mem = _compile_memory(get_config(name), Policy(Phi2D(), TwoWayEC()), 2, 32)
+    if mem is None:  # not every backend reports it
+        pytest.skip("memory_analysis() not available on this backend")
+    assert mem.argument_size_in_bytes >= 4 * count_params(get_config(name))
+    assert mem.temp_size_in_bytes > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama3.1-8b", "qwen3-8b", "qwen3-30b-a3b", "deepseek-v2-lite"])
+def test_compile_only_big_presets(name):
+    """Compile one training step of a real-size model on abstract inputs (no memory used)."""
+    mem = _compile_memory(get_config(name), Policy(Phi2D(), TwoWayEC()), 1, 256)
+    if mem is not None:
+        assert mem.argument_size_in_bytes >= 4 * count_params(get_config(name))

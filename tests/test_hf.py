@@ -1,0 +1,245 @@
+"""Local Hugging Face checkpoints: reading HF naming, bit-exact round trips, transformers."""
+
+import json
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from models import config_from_hf, Llama, load_hf, save_hf
+from policies import Phi2D, Policy, TwoWayEC
+
+from .test_models import np_forward
+from .test_moe import np_moe
+
+
+def _hf_config(kind: str) -> dict:
+    base = dict(
+        vocab_size=40,
+        max_position_embeddings=16,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        attention_bias=False,
+    )
+    if kind == "llama":
+        rs = dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8,
+        )
+        return dict(base, model_type="llama", rope_theta=500.0, rope_scaling=rs)
+    if kind == "qwen3":
+        return dict(base, model_type="qwen3", head_dim=12, tie_word_embeddings=True)
+    return dict(
+        base,
+        model_type="qwen3_moe",
+        num_hidden_layers=3,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+        decoder_sparse_step=1,
+    )
+
+
+def _hf_tensors(hf: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random float32 tensors under Hugging Face names (written out independently here)."""
+    rng = np.random.default_rng(seed)
+    r = lambda *shape: (0.2 * rng.standard_normal(shape)).astype(np.float32)
+    D, V, F = hf["hidden_size"], hf["vocab_size"], hf["intermediate_size"]
+    H, K = hf["num_attention_heads"], hf["num_key_value_heads"]
+    hd = hf.get("head_dim", D // H)
+    t = {"model.embed_tokens.weight": r(V, D), "model.norm.weight": 1 + r(D)}
+    if not hf.get("tie_word_embeddings", False):
+        t["lm_head.weight"] = r(V, D)
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = 1 + r(D)
+        t[p + "post_attention_layernorm.weight"] = 1 + r(D)
+        t[p + "self_attn.q_proj.weight"] = r(H * hd, D)
+        t[p + "self_attn.k_proj.weight"] = r(K * hd, D)
+        t[p + "self_attn.v_proj.weight"] = r(K * hd, D)
+        t[p + "self_attn.o_proj.weight"] = r(D, H * hd)
+        if hf["model_type"] != "llama":
+            t[p + "self_attn.q_norm.weight"] = 1 + r(hd)
+            t[p + "self_attn.k_norm.weight"] = 1 + r(hd)
+        if hf["model_type"] == "qwen3_moe" and i not in hf["mlp_only_layers"]:
+            E, Fe = hf["num_experts"], hf["moe_intermediate_size"]
+            t[p + "mlp.gate.weight"] = 3 * r(E, D)
+            for e in range(E):
+                t[p + f"mlp.experts.{e}.gate_proj.weight"] = r(Fe, D)
+                t[p + f"mlp.experts.{e}.up_proj.weight"] = r(Fe, D)
+                t[p + f"mlp.experts.{e}.down_proj.weight"] = r(D, Fe)
+        else:
+            t[p + "mlp.gate_proj.weight"] = r(F, D)
+            t[p + "mlp.up_proj.weight"] = r(F, D)
+            t[p + "mlp.down_proj.weight"] = r(D, F)
+    return t
+
+
+def _write(folder, hf: dict, tensors: dict, shards: int = 1):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf))
+    if shards == 1:
+        save_file(tensors, str(folder / "model.safetensors"))
+        return
+    names = sorted(tensors)
+    wm = {}
+    for k in range(shards):
+        f = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[k::shards]
+        save_file({n: tensors[n] for n in part}, str(folder / f))
+        wm.update({n: f for n in part})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+
+
+def _np_params_from_hf(hf: dict, t: dict) -> dict:
+    """The reference forward's parameter dict, straight from the HF tensors."""
+    f = lambda a: np.asarray(a, np.float64)
+    layers = []
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        d = dict(
+            attn_norm=f(t[p + "input_layernorm.weight"]),
+            mlp_norm=f(t[p + "post_attention_layernorm.weight"]),
+            **{k: f(t[p + f"self_attn.{k}_proj.weight"]) for k in "qkvo"},
+        )
+        if p + "self_attn.q_norm.weight" in t:
+            d["q_norm"] = f(t[p + "self_attn.q_norm.weight"])
+            d["k_norm"] = f(t[p + "self_attn.k_norm.weight"])
+        if p + "mlp.gate.weight" in t:
+            E = hf["num_experts"]
+            d["router"] = f(t[p + "mlp.gate.weight"])
+            for proj in ("gate", "up", "down"):
+                d[f"w_{proj}"] = np.stack(
+                    [f(t[p + f"mlp.experts.{e}.{proj}_proj.weight"]).T for e in range(E)]
+                )
+        else:
+            d.update({k: f(t[p + f"mlp.{k}_proj.weight"]) for k in ("gate", "up", "down")})
+        layers.append(d)
+    head = t.get("lm_head.weight", t["model.embed_tokens.weight"])
+    return dict(
+        embed=f(t["model.embed_tokens.weight"]),
+        layers=layers,
+        norm=f(t["model.norm.weight"]),
+        head=f(head),
+    )
+
+
+@pytest.mark.parametrize("kind,shards", [("llama", 1), ("qwen3", 2), ("qwen3_moe", 3)])
+def test_load_hf_naming_and_logits(kind, shards, tmp_path):
+    hf = _hf_config(kind)
+    tensors = _hf_tensors(hf)
+    _write(tmp_path, hf, tensors, shards)
+    model = load_hf(tmp_path)
+    cfg = model.config
+    assert cfg == config_from_hf(hf)
+    if kind == "llama":
+        assert cfg.rope_scaling is not None and cfg.rope_scaling.original_max_seq_len == 8
+    np.testing.assert_array_equal(
+        np.asarray(model.layers[-1].attn.q_proj.weight[-1]),
+        tensors[f"model.layers.{cfg.n_layers - 1}.self_attn.q_proj.weight"],
+    )
+    if kind == "qwen3_moe":
+        assert cfg.moe is not None and cfg.moe.n_dense_layers == 1
+        np.testing.assert_array_equal(
+            np.asarray(model.layers[1].mlp.w_down[1, 2]),
+            tensors["model.layers.2.mlp.experts.2.down_proj.weight"].T,
+        )
+    tokens = jr.randint(jr.key(0), (2, 10), 0, cfg.vocab_size)
+    logits = eqx.filter_jit(lambda m, t: m(t))(model, tokens)
+    moe_fn = np_moe(cfg.moe) if cfg.moe is not None else None
+    want = np_forward(_np_params_from_hf(hf, tensors), cfg, np.asarray(tokens), moe_fn=moe_fn)
+    np.testing.assert_allclose(np.asarray(logits), want, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
+def test_round_trip_bit_exact(kind, tmp_path):
+    hf = _hf_config(kind)
+    _write(tmp_path / "a", hf, _hf_tensors(hf, seed=1))
+    policy = Policy(Phi2D(), TwoWayEC())
+    model = load_hf(tmp_path / "a", policy=policy)
+    save_hf(model, tmp_path / "b")
+    save_hf(model, tmp_path / "c", shards=2)
+    for folder in ("b", "c"):
+        again = load_hf(tmp_path / folder, policy=policy)
+        assert again.config == model.config
+        a, b = eqx.filter(model, eqx.is_array), eqx.filter(again, eqx.is_array)
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            assert x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
+    assert (tmp_path / "c" / "model.safetensors.index.json").exists()
+
+
+def test_round_trip_random_model_with_shared_experts(tmp_path, getkey):
+    """A model Hugging Face has no class for (shared experts, no QK-norm) still round-trips."""
+    from .test_moe import MICRO_DS
+
+    model = Llama(MICRO_DS, None, key=getkey())
+    save_hf(model, tmp_path)
+    again = load_hf(tmp_path)
+    assert again.config == model.config
+    for x, y in zip(jax.tree.leaves(model), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_load_options_and_errors(tmp_path):
+    hf = _hf_config("qwen3")
+    tensors = _hf_tensors(hf)
+    _write(tmp_path / "ok", hf, tensors)
+    m = load_hf(tmp_path / "ok", dtype=jnp.bfloat16, compute_dtype="bfloat16", remat=True)
+    assert m.embed.dtype == jnp.bfloat16 and m.config.remat
+    logits = eqx.filter_jit(lambda m, t: m(t))(m, jnp.zeros((1, 4), jnp.int32))
+    assert logits.dtype == jnp.float32
+    with pytest.raises(NotImplementedError, match="model_type"):
+        config_from_hf(dict(hf, model_type="gemma"))
+    with pytest.raises(NotImplementedError, match="rope_scaling"):
+        config_from_hf(dict(hf, rope_scaling=dict(rope_type="yarn", factor=4.0)))
+    missing = dict(tensors)
+    del missing["model.layers.1.self_attn.k_norm.weight"]
+    _write(tmp_path / "missing", hf, missing)
+    with pytest.raises(KeyError, match="k_norm"):
+        load_hf(tmp_path / "missing")
+    _write(
+        tmp_path / "extra", hf, dict(tensors, **{"model.layers.9.foo": np.zeros(2, np.float32)})
+    )
+    with pytest.raises(ValueError, match="does not use"):
+        load_hf(tmp_path / "extra")
+    _write(tmp_path / "shape", dict(hf, intermediate_size=40), tensors)
+    with pytest.raises(ValueError, match="shape"):
+        load_hf(tmp_path / "shape")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_logits_match_transformers(kind, tmp_path):
+    """Same random tiny checkpoint, same logits as `LlamaForCausalLM` / `Qwen3MoeForCausalLM`
+    (skipped unless `transformers` and `torch` are installed)."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    hf = _hf_config(kind)
+    if kind == "qwen3_moe":
+        hf = dict(hf, mlp_only_layers=[])  # HF's Qwen3-MoE with every layer sparse
+    tensors = _hf_tensors(hf, seed=2)
+    _write(tmp_path, hf, tensors)
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), torch_dtype=torch.float32
+    )
+    tokens = np.random.default_rng(0).integers(0, hf["vocab_size"], (2, 10))
+    with torch.no_grad():
+        want = ref_model(torch.tensor(tokens)).logits.numpy()
+    model = load_hf(tmp_path)
+    got = eqx.filter_jit(lambda m, t: m(t))(model, jnp.asarray(tokens, jnp.int32))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
