@@ -12,6 +12,7 @@ with any optax optimizer or chain.
 """
 
 import typing
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import jax
@@ -278,6 +279,7 @@ def adam_8bit(
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
+    mask: PyTree | Callable[[PyTree], PyTree] | None = None,
     *,
     key: PRNGKeyArray,
     block_size: int = 256,
@@ -315,6 +317,8 @@ def adam_8bit(
     - `b1`, `b2`: moment decays.
     - `eps`: added to $\\sqrt{\\hat v}$.
     - `weight_decay`: decoupled weight decay (needs `params` in `update`).
+    - `mask`: where to apply the weight decay, as in `optax.adamw`: a pytree of bools like the
+      parameters, or a function of the parameters returning one; `None` decays everything.
     - `key`: seed of the stochastic rounding of the state. (Keyword only argument.)
     - `block_size`: values per scale. (Keyword only argument.)
     - `mu_dtype`: storage of the first moment: `int8`, `float8_e4m3fn` or `float8_e5m2`.
@@ -385,13 +389,17 @@ def adam_8bit(
         mu_leaves = treedef.flatten_up_to(state.mu)
         nu_leaves = treedef.flatten_up_to(state.nu)
         p_leaves = [None] * len(g_leaves) if params is None else treedef.flatten_up_to(params)
+        decay = [True] * len(g_leaves)
+        if weight_decay != 0.0 and mask is not None:
+            m_tree = mask(params) if callable(mask) else mask
+            decay = [bool(m) for m in treedef.flatten_up_to(m_tree)]
         out_u, out_mu, out_nu = [], [], []
         for i, (g, mq, vq, p) in enumerate(zip(g_leaves, mu_leaves, nu_leaves, p_leaves)):
             g32 = jnp.asarray(g).astype(_F32)
             mu = b1 * load(mq, mu_dt) + (1 - b1) * g32
             nu = b2 * load(vq, nu_dt) + (1 - b2) * jnp.square(g32)
             u = (mu / c1) / (jnp.sqrt(nu / c2) + eps)
-            if weight_decay != 0.0:
+            if weight_decay != 0.0 and decay[i]:
                 u = u + weight_decay * jnp.asarray(p).astype(_F32)
             out_u.append(-jnp.asarray(lr, _F32) * u)
             k = jr.fold_in(step_key, i)

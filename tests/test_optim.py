@@ -329,3 +329,13 @@ def test_adam_8bit_schedule(getkey):
         u, _ = jax.jit(opt.update)(g, opt.init(params), params)
     # First step: bias-corrected m / sqrt(v) = 1, so the update is -lr(0) = -1e-3.
     np.testing.assert_allclose(np.asarray(u["w1"]), -1e-3, rtol=1e-4)
+
+
+def test_adam_8bit_weight_decay_mask(getkey):
+    params = _params(getkey())
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+    opt = adam_8bit(1.0, weight_decay=0.5, mask=mask, key=getkey())
+    u, _ = jax.jit(opt.update)(zeros, opt.init(params), params)
+    np.testing.assert_allclose(np.asarray(u["w1"]), -0.5 * np.asarray(params["w1"]), rtol=1e-6)
+    assert np.all(np.asarray(u["scale"]) == 0) and np.all(np.asarray(u["b1"]) == 0)
