@@ -181,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--resume", action="store_true", help="continue from DIR/checkpoint (bit-exact)"
     )
+    t.add_argument(
+        "--mesh",
+        metavar="SPEC",
+        help="train sharded on a device mesh, e.g. fsdp=4,tp=2 (on CPU set XLA_FLAGS="
+        "--xla_force_host_platform_device_count=N first)",
+    )
 
     c = sub.add_parser(
         "compare",
@@ -269,6 +275,7 @@ def _train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         result = train(
             config,
             resume=getattr(args, "resume", False),
+            mesh=getattr(args, "mesh", None),
             progress=not getattr(args, "quiet", False),
         )
     except ValueError as e:

@@ -16,10 +16,12 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import optax
+from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ._checkpoint import has_checkpoint, load_checkpoint, load_meta, save_checkpoint
 from ._data import load_data, TokenData
+from ._sharding import batch_sharding, make_mesh, replicated, shard_model
 from ._tokenizer import AbstractTokenizer, load_tokenizer
 
 
@@ -431,7 +433,7 @@ def train(
     data: TokenData | None = None,
     resume: bool = False,
     stop_at: int | None = None,
-    mesh: typing.Any = None,
+    mesh: "str | dict[str, int] | Mesh | None" = None,
     progress: bool = True,
 ) -> TrainResult:
     """Train a model: the loop behind `s3req train`.
@@ -456,7 +458,10 @@ def train(
     - `data`: pre-loaded [`s3req.train.TokenData`][]; default: load `config.data`.
     - `resume`: continue from the checkpoint in `config.out`.
     - `stop_at`: stop after this many steps (saving a checkpoint) without finishing.
-    - `mesh`: reserved for sharded training; only `None` is accepted for now.
+    - `mesh`: train sharded on a `fsdp` x `tp` device mesh: `"fsdp=4,tp=2"`, a dict of axis
+      sizes or a `jax.sharding.Mesh` (see [`s3req.train.make_mesh`][]). Parameters and optimizer
+      state are FSDP- and tensor-parallel-sharded, the batch is split on `fsdp`; the losses
+      equal the unsharded run's to float tolerance. `None`: one device.
     - `progress`: show a progress bar (tokens/s, loss) on stderr.
 
     **Returns:**
@@ -464,9 +469,12 @@ def train(
     A [`s3req.train.TrainResult`][].
     """
     if mesh is not None:
-        raise NotImplementedError(
-            "train(mesh=...): sharded training is not available yet; pass mesh=None."
-        )
+        mesh = make_mesh(mesh)
+        if config.batch % mesh.shape["fsdp"]:
+            raise ValueError(
+                f"--batch {config.batch} must be divisible by the mesh's fsdp size "
+                f"{mesh.shape['fsdp']}."
+            )
     if stop_at is not None and not 0 <= stop_at <= config.steps:
         raise ValueError(f"stop_at must lie in [0, steps={config.steps}], got {stop_at}.")
     out = None if config.out is None else pathlib.Path(config.out)
@@ -492,6 +500,8 @@ def train(
 
     init_key, train_key, eval_key = jr.split(jr.key(config.seed), 3)
     model = build_model(config, data.vocab_size, key=init_key)
+    if mesh is not None:
+        model = shard_model(model, mesh)
     optimizer, schedule, train_step = _optimizer_and_step(
         tuple(getattr(config, f) for f in _OPT_FIELDS)
     )
@@ -505,6 +515,9 @@ def train(
         metrics_path = out / METRICS_FILE
         if resume:
             model, opt_state, meta = load_checkpoint(out, model, opt_state)
+            if mesh is not None:  # the checkpoint holds whole arrays: place them again
+                model = shard_model(model, mesh)
+                opt_state = eqx.filter_shard(opt_state, replicated(mesh))
             start = int(meta["step"])
             rng.bit_generator.state = meta["data_rng"]
             metrics = _read_metrics(metrics_path, before=start)
@@ -567,7 +580,10 @@ def train(
                 last_val = val_loss(model)
             tokens = data.sample_batch(rng, config.batch, config.seq_len)
             t0 = time.perf_counter()
-            new = train_step(model, opt_state, jnp.asarray(tokens), jr.fold_in(train_key, step))
+            tokens = jnp.asarray(tokens)
+            if mesh is not None:
+                tokens = jax.device_put(tokens, batch_sharding(mesh))
+            new = train_step(model, opt_state, tokens, jr.fold_in(train_key, step))
             loss = float(new[2])
             state = (new[0], new[1], step + 1, rng.bit_generator.state)
             if step > start:  # The first step of a process includes compilation.

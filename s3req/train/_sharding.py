@@ -1,0 +1,133 @@
+"""Sharded training on a 2-D `fsdp` x `tp` device mesh with `jax.jit` and `NamedSharding`.
+
+Parameters are FSDP-sharded and tensor-parallel: column-parallel projections (q, k, v, gate,
+up and the experts' gate/up) split their output features on `tp`, row-parallel ones (o, down
+and the experts' down) their input features; the other feature axis of every weight is split
+on `fsdp`. The batch is split on `fsdp`. XLA's SPMD partitioner (GSPMD, `AxisType.Auto`)
+inserts the collectives; the optimizer state follows the parameters. Thresholds are computed
+from global element indices, so they are bitwise the same on every mesh.
+"""
+
+import typing
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+
+AXES = ("fsdp", "tp")
+_COLUMN = {"q_proj", "k_proj", "v_proj", "gate", "up"}
+_ROW = {"o_proj", "down"}
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """Parse `"fsdp=4,tp=2"` into `{"fsdp": 4, "tp": 2}` (a missing axis has size 1).
+
+    **Arguments:**
+
+    - `spec`: comma-separated `axis=size` pairs over the axes `fsdp` and `tp`.
+
+    **Returns:**
+
+    The axis sizes.
+    """
+    sizes = {"fsdp": 1, "tp": 1}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or name.strip() not in sizes or not value.strip().isdigit():
+            raise ValueError(f"--mesh: expected 'fsdp=N,tp=M' (axes fsdp and tp), got {spec!r}.")
+        sizes[name.strip()] = int(value)
+        if sizes[name.strip()] < 1:
+            raise ValueError(f"--mesh: axis sizes must be positive, got {spec!r}.")
+    return sizes
+
+
+def make_mesh(spec: "str | dict[str, int] | Mesh") -> Mesh:
+    """A `fsdp` x `tp` mesh of `AxisType.Auto` axes over the first `fsdp * tp` devices.
+
+    **Arguments:**
+
+    - `spec`: `"fsdp=4,tp=2"`, a dict of axis sizes, or a ready `jax.sharding.Mesh` (returned
+      as is; it must have axes named `fsdp` and `tp`).
+
+    **Returns:**
+
+    The mesh.
+    """
+    if isinstance(spec, Mesh):
+        if set(spec.axis_names) != set(AXES):
+            raise ValueError(f"mesh: expected axes {AXES}, got {spec.axis_names}.")
+        return spec
+    sizes = parse_mesh(spec) if isinstance(spec, str) else dict(spec)
+    n = sizes["fsdp"] * sizes["tp"]
+    if n > len(jax.devices()):
+        raise ValueError(
+            f"mesh {sizes} needs {n} devices but JAX sees {len(jax.devices())}. On CPU, set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting Python."
+        )
+    return jax.make_mesh(
+        (sizes["fsdp"], sizes["tp"]), AXES, axis_types=(AxisType.Auto, AxisType.Auto)
+    )
+
+
+def _names(path) -> list[str]:
+    return [k.name for k in path if isinstance(k, jtu.GetAttrKey)]
+
+
+def _spec_for(path, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """The partition spec of one parameter, from its name and shape."""
+    names = _names(path)
+    field = names[-1] if names else ""
+    owner = names[-2] if len(names) > 1 else ""
+    axes: list[str | None] = [None] * len(shape)
+    if field == "weight" and owner in _COLUMN | _ROW and len(shape) >= 2:
+        out_ax, in_ax = len(shape) - 2, len(shape) - 1  # (..., out, in) as eqx.nn.Linear
+        tp_ax, fsdp_ax = (out_ax, in_ax) if owner in _COLUMN else (in_ax, out_ax)
+        axes[tp_ax], axes[fsdp_ax] = "tp", "fsdp"
+    elif field in ("w_gate", "w_up") and len(shape) >= 3:  # (..., experts, d_model, d_expert)
+        axes[-1], axes[-2] = "tp", "fsdp"
+    elif field == "w_down" and len(shape) >= 3:  # (..., experts, d_expert, d_model)
+        axes[-2], axes[-1] = "tp", "fsdp"
+    elif field in ("embed", "head") and len(shape) == 2:  # (vocab, d_model)
+        axes[0], axes[1] = "tp", "fsdp"
+    # An axis that does not divide its dimension is left unsplit.
+    for i, a in enumerate(axes):
+        if a is not None and shape[i] % mesh.shape[a]:
+            axes[i] = None
+    return P(*axes)
+
+
+def param_shardings(model: eqx.Module, mesh: Mesh) -> typing.Any:
+    """A pytree like `model` with a `NamedSharding` for every array (`None` elsewhere).
+
+    **Arguments:**
+
+    - `model`: a `models.Llama` (or any model built from `QuantLinear` layers).
+    - `mesh`: a mesh from [`s3req.train.make_mesh`][].
+
+    **Returns:**
+
+    The shardings.
+    """
+    return jtu.tree_map_with_path(
+        lambda path, x: (
+            NamedSharding(mesh, _spec_for(path, x.shape, mesh)) if eqx.is_array(x) else None
+        ),
+        model,
+    )
+
+
+def shard_model(model: eqx.Module, mesh: Mesh) -> eqx.Module:
+    """Place `model`'s arrays on `mesh` with [`s3req.train.param_shardings`][]."""
+    return eqx.filter_shard(model, param_shardings(model, mesh))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Token batches `(batch, seq)` split over `fsdp`."""
+    return NamedSharding(mesh, P("fsdp"))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Every device holds the whole array."""
+    return NamedSharding(mesh, P())
