@@ -36,6 +36,14 @@ from ._loop import (
     TrainConfig as TrainConfig,
     TrainResult as TrainResult,
 )
+from ._sharding import (
+    batch_sharding as batch_sharding,
+    make_mesh as make_mesh,
+    param_shardings as param_shardings,
+    parse_mesh as parse_mesh,
+    replicated as replicated,
+    shard_model as shard_model,
+)
 from ._tokenizer import (
     AbstractTokenizer as AbstractTokenizer,
     BPETokenizer as BPETokenizer,
