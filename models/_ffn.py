@@ -1,11 +1,13 @@
 """The SwiGLU feed-forward block and the paper's FFN benchmark shapes."""
 
+import functools as ft
 import typing
 
 import equinox as eqx
 import jax
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
+
 from s3req import AbstractPolicy, QuantLinear
 
 
@@ -70,10 +72,10 @@ class FFN(eqx.Module):
         key: PRNGKeyArray,
     ):
         kg, ku, kd = jr.split(key, 3)
-        kw = dict(policy=policy, use_bias=False, dtype=dtype)
-        self.gate = QuantLinear(d_model, d_ff, key=kg, **kw)
-        self.up = QuantLinear(d_model, d_ff, key=ku, **kw)
-        self.down = QuantLinear(d_ff, d_model, key=kd, **kw)
+        linear = ft.partial(QuantLinear, policy=policy, use_bias=False, dtype=dtype)
+        self.gate = linear(d_model, d_ff, key=kg)
+        self.up = linear(d_model, d_ff, key=ku)
+        self.down = linear(d_ff, d_model, key=kd)
 
     def __call__(
         self, x: Float[Array, "*batch d_model"], *, key: PRNGKeyArray | None = None

@@ -1,5 +1,6 @@
 """The Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU or MoE FFNs."""
 
+import functools as ft
 import math
 import typing
 
@@ -121,11 +122,11 @@ class Attention(eqx.Module):
         c = config
         hd = c.d_head
         kq, kk, kv, ko = jr.split(key, 4)
-        kw = dict(policy=policy, use_bias=False)
-        self.q_proj = QuantLinear(c.d_model, c.n_heads * hd, key=kq, **kw)
-        self.k_proj = QuantLinear(c.d_model, c.n_kv_heads * hd, key=kk, **kw)
-        self.v_proj = QuantLinear(c.d_model, c.n_kv_heads * hd, key=kv, **kw)
-        self.o_proj = QuantLinear(c.n_heads * hd, c.d_model, key=ko, **kw)
+        linear = ft.partial(QuantLinear, policy=policy, use_bias=False)
+        self.q_proj = linear(c.d_model, c.n_heads * hd, key=kq)
+        self.k_proj = linear(c.d_model, c.n_kv_heads * hd, key=kk)
+        self.v_proj = linear(c.d_model, c.n_kv_heads * hd, key=kv)
+        self.o_proj = linear(c.n_heads * hd, c.d_model, key=ko)
         self.q_norm = RMSNorm(hd, c.norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(hd, c.norm_eps) if c.qk_norm else None
         self.n_heads = c.n_heads

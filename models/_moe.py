@@ -167,10 +167,22 @@ class MoE(eqx.Module):
         # Sort the (token, slot) pairs by expert; pair id = token * top_k + slot.
         order, group_sizes = sort_by_expert(experts, E)
         token = order // k
-        ids = dict(row_id=order, example_id=token // S, num_examples=B)
+        example = token // S
         keys = [None] * 4 if key is None else list(jr.split(key, 4))
         xs = xf[token]
-        qr = lambda h, w, kk: qragged_dot(h, w, group_sizes, policy=self.policy, key=kk, **ids)
+
+        def qr(h, w, k):
+            return qragged_dot(
+                h,
+                w,
+                group_sizes,
+                policy=self.policy,
+                key=k,
+                row_id=order,
+                example_id=example,
+                num_examples=B,
+            )
+
         h = jax.nn.silu(qr(xs, self.w_gate, keys[0])) * qr(xs, self.w_up, keys[1])
         ys = qr(h, self.w_down, keys[2])
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(T * k, dtype=jnp.int32))

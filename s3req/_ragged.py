@@ -60,14 +60,15 @@ def _ragged_token_contraction(
         return _rdot_rows(xq, q, group_sizes).astype(_F32)
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
-    hi = lo = None
+    his, los = [], []
     for lo_row in range(0, n, DW_CHUNK):
         hi_row = min(lo_row + DW_CHUNK, n)
         sizes = jnp.clip(jnp.minimum(ends, hi_row) - jnp.maximum(starts, lo_row), 0)
         part = _rdot_rows(xq[lo_row:hi_row], q[lo_row:hi_row], sizes.astype(group_sizes.dtype))
-        h, l = part >> 16, part & 0xFFFF
-        hi, lo = (h, l) if hi is None else (hi + h, lo + l)
-    assert hi is not None and lo is not None
+        his.append(part >> 16)
+        los.append(part & 0xFFFF)
+    hi = jnp.sum(jnp.stack(his), axis=0)  # exact in int32: few chunks of 16-bit parts
+    lo = jnp.sum(jnp.stack(los), axis=0)
     return hi.astype(_F32) * 65536.0 + lo.astype(_F32)
 
 

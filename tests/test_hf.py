@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from models import config_from_hf, Llama, load_hf, save_hf
+from models import config_from_hf, Llama, load_hf, MoE, save_hf
 from policies import Phi2D, Policy, TwoWayEC
 
 from .test_models import np_forward
@@ -155,8 +155,10 @@ def test_load_hf_naming_and_logits(kind, shards, tmp_path):
     )
     if kind == "qwen3_moe":
         assert cfg.moe is not None and cfg.moe.n_dense_layers == 1
+        mlp = model.layers[1].mlp
+        assert isinstance(mlp, MoE)
         np.testing.assert_array_equal(
-            np.asarray(model.layers[1].mlp.w_down[1, 2]),
+            np.asarray(mlp.w_down[1, 2]),
             tensors["model.layers.2.mlp.experts.2.down_proj.weight"].T,
         )
     tokens = jr.randint(jr.key(0), (2, 10), 0, cfg.vocab_size)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -118,7 +119,7 @@ def np_forward(params: dict, cfg: LlamaConfig, tokens: np.ndarray, moe_fn=None) 
                     att[t, head] = (p / p.sum()) @ v[: t + 1, kv]
             x = x + att.reshape(S, H * hd) @ lp["o"].T
             h = _np_rms(x, lp["mlp_norm"], cfg.norm_eps)
-            x = x + (moe_fn(h, lp) if "router" in lp else _np_ffn(h, lp))
+            x = x + (moe_fn(h, lp) if moe_fn is not None and "router" in lp else _np_ffn(h, lp))
         x = _np_rms(x, params["norm"], cfg.norm_eps)
         out.append(x @ params["head"].T)
     return np.stack(out)
@@ -132,7 +133,7 @@ def np_params(model: Llama) -> dict:
         n = stack.attn_norm.weight.shape[0]
         for i in range(n):
             L = _stacked_layer(stack, i)
-            d = dict(
+            d: dict[str, Any] = dict(
                 attn_norm=f(L.attn_norm.weight),
                 mlp_norm=f(L.mlp_norm.weight),
                 q=f(L.attn.q_proj.weight),
@@ -268,6 +269,7 @@ def test_projections_get_distinct_keys(getkey, monkeypatch):
     qdot = s3req._linear.qdot
 
     def recording_qdot(x, w, *, policy, key=None):
+        assert key is not None
         seen.append(tuple(np.asarray(jr.key_data(key)).tolist()))
         return qdot(x, w, policy=policy, key=key)
 

@@ -166,9 +166,9 @@ def test_moe_ragged_gemms_are_int8(getkey):
     eqns = [e for e in iter_eqns(jaxpr.jaxpr) if e.primitive.name == "ragged_dot_general"]
     assert len(eqns) == 9  # one MoE stack (scanned): 3 GEMMs x (forward, dX, dW)
     for e in eqns:
-        assert [v.aval.dtype for v in e.invars[:2]] == [jnp.int8, jnp.int8]
+        assert [v.aval.dtype for v in e.invars[:2]] == [jnp.int8, jnp.int8]  # pyright: ignore
         assert e.params["preferred_element_type"] == jnp.int32
-        assert e.outvars[0].aval.dtype == jnp.int32
+        assert e.outvars[0].aval.dtype == jnp.int32  # pyright: ignore
 
 
 DS_BLOCK = MoEConfig(

@@ -1,5 +1,7 @@
 """The quantized ragged (expert) matmul: dense equivalence, EC segments, unbiasedness, jaxpr."""
 
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -30,7 +32,7 @@ def _problem(key, n_examples=3, seq=8, top_k=2, E=4, H=16, D=12):
     x = jr.normal(kx, (n, H))
     w = jr.normal(kw, (E, H, D))
     g = jr.normal(kg, (n, D))
-    ids = dict(row_id=order, example_id=token // seq, num_examples=n_examples)
+    ids: dict[str, Any] = dict(row_id=order, example_id=token // seq, num_examples=n_examples)
     return x, w, gs, g, ids
 
 
@@ -87,7 +89,7 @@ def test_single_expert_equals_qdot(policy, getkey):
 
     y, dx, dw = dense(x, w, g, key)
     n = B * S
-    ids = dict(
+    ids: dict[str, Any] = dict(
         row_id=jnp.arange(n, dtype=jnp.int32),
         example_id=jnp.arange(n, dtype=jnp.int32) // S,
         num_examples=B,
@@ -200,7 +202,9 @@ def test_thresholds_follow_row_ids_not_positions(getkey):
             for e, (a, b) in enumerate(zip(ends - np.asarray(gs), ends))
         ]
     )
-    ids2 = dict(ids, row_id=ids["row_id"][perm], example_id=ids["example_id"][perm])
+    ids2: dict[str, Any] = dict(
+        ids, row_id=ids["row_id"][perm], example_id=ids["example_id"][perm]
+    )
     _, dx2, dw2 = _vjp(policy, x[perm], w, gs, g[perm], key, ids2)
     np.testing.assert_array_equal(np.asarray(dx2), np.asarray(dx)[perm])
     np.testing.assert_allclose(dw2, dw, rtol=1e-6)
@@ -218,7 +222,9 @@ def test_jaxpr_int8_ragged_gemms(policy):
     sds = jax.ShapeDtypeStruct
     args = (sds((n, H), jnp.float32), sds((E, H, D), jnp.float32), sds((n, D), jnp.float32))
     gs = jnp.array([8, 10, 6], jnp.int32)
-    ids = dict(row_id=jnp.arange(n), example_id=jnp.arange(n) // 12, num_examples=2)
+    ids: dict[str, Any] = dict(
+        row_id=jnp.arange(n), example_id=jnp.arange(n) // 12, num_examples=2
+    )
 
     def f(x, w, g):
         y, pull = jax.vjp(
@@ -233,9 +239,9 @@ def test_jaxpr_int8_ragged_gemms(policy):
     ]
     assert len(eqns) == 3  # forward, dX, dW
     for e in eqns:
-        assert [v.aval.dtype for v in e.invars[:2]] == [jnp.int8, jnp.int8]
+        assert [v.aval.dtype for v in e.invars[:2]] == [jnp.int8, jnp.int8]  # pyright: ignore
         assert e.params["preferred_element_type"] == jnp.int32
-        assert e.outvars[0].aval.dtype == jnp.int32
+        assert e.outvars[0].aval.dtype == jnp.int32  # pyright: ignore
     if policy.topology.quantizes_once():
         fwd, dx, dw = eqns
         assert dx.invars[0] is dw.invars[1]  # one int8 gradient for both GEMMs
