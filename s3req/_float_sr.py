@@ -104,7 +104,9 @@ class FloatFormat:
         return 2.0 ** (self.min_exponent - self.mantissa_bits)
 
     def ulp(self, x: Float[Array, "..."]) -> Float[Array, "..."]:
-        """The grid spacing at `x` (float32): $2^{\\max(e, emin) - m}$ with $2^e \\le |x|$."""
+        """The grid spacing at finite `x` (float32): $2^{\\max(e, emin) - m}$ with
+        $2^e \\le |x| < 2^{e+1}$ (beyond the largest finite value: the spacing the binade
+        would have)."""
         e = _exponent(_magnitude(x.astype(_F32)))
         k = jnp.maximum(e, self.min_exponent) - self.mantissa_bits
         # 2**k as a float32 pattern (normal for k >= -126, subnormal below).

@@ -397,16 +397,14 @@ def test_threshold_layout(shape, bits, getkey):
 def test_row_shares_thresholds(getkey):
     # Every element of a row at p = 1/2: a shared threshold sends the whole row the same way.
     x = jnp.full((256, 32), 1.0 + 2.0**-8, jnp.float32)  # halfway between bf16 grid points
-    y = np.asarray(stochastic_round(x, jnp.bfloat16, key=getkey(), topology="row"))
+    y = np.asarray(_sr(x, jnp.bfloat16, key=getkey(), topology="row"))
     y = y.astype(np.float64)
     assert np.all(y == y[:, :1])
     assert 0 < np.mean(y[:, 0] > 1.0) < 1  # rows differ
-    y_el = np.asarray(stochastic_round(x, jnp.bfloat16, key=getkey())).astype(np.float64)
+    y_el = np.asarray(_sr(x, jnp.bfloat16, key=getkey())).astype(np.float64)
     assert not np.all(y_el == y_el[:, :1])
     # Row topology on a 1-D vector: one threshold for the whole vector.
-    v = np.asarray(stochastic_round(x[0], jnp.bfloat16, key=getkey(), topology="row")).astype(
-        np.float64
-    )
+    v = np.asarray(_sr(x[0], jnp.bfloat16, key=getkey(), topology="row")).astype(np.float64)
     assert np.all(v == v[0])
 
 
