@@ -96,7 +96,25 @@ def _forward(x, w, policy: AbstractPolicy, ax: ShardAxes):
         if ec.dx_token
         else None
     )  # (H,): W 1_D
+    # The error correction needs the token sums and the per-example channel sums of the
+    # gradient codes. They come out of the backward GEMMs themselves: a row of ones under Wq
+    # makes the dX GEMM also return sum_d Q, and one one-hot column per example beside Xq
+    # makes the dW GEMM also return sum_s Q of every example (B / H more work for that GEMM).
+    if _needs_row_sums(ec):
+        wq = jnp.concatenate([wq, jnp.ones((1, wq.shape[1]), jnp.int8)], axis=0)
+    if _needs_col_sums(ec):
+        B, S, _ = xq.shape
+        onehot = jnp.broadcast_to(jnp.eye(B, dtype=jnp.int8)[:, None, :], (B, S, B))
+        xq = jnp.concatenate([xq, onehot], axis=-1)
     return y, (xq, wq, sx, sw, xsum, rw)
+
+
+def _needs_row_sums(ec) -> bool:
+    return ec.dx_token or ec.dx_channel or ec.dw
+
+
+def _needs_col_sums(ec) -> bool:
+    return ec.dx_channel or ec.dw
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -175,25 +193,31 @@ def gradient_codes(
     return delta, inv, q_dx, q_dw
 
 
-def _error_means(q, gp, inv, ax: ShardAxes, *, channel: bool):
-    """Token means `eps` and, if `channel`, centred channel means `a - m` of the error.
+def _code_sums(q: Int8[Array, "b s d"]) -> tuple[Array, Array]:
+    """Token sums `(B, S)` and per-example channel sums `(B, D)` of int8 codes (int32)."""
+    B, S, D = q.shape
+    rows = _int_dot(q, jnp.ones((D,), jnp.int8), ((2,), (0,)))
+    cols = _int_dot(q, jnp.ones((B, S), jnp.int8), ((1,), (1,)), ((0,), (0,)))
+    return rows, cols
+
+
+def _error_means(qrow, qcol, gp, inv, ax: ShardAxes):
+    """Token means `eps` and, if `qcol` is given, centred channel means `a - m` of the error.
 
     The error in units of the step is `e = q - y` with `y = G' * inv`. Its sums are taken as
-    `sum(q) - inv * sum(G')`: the sums of the int8 codes are exact int32 GEMVs against ones,
-    and the sums of `G'` are reductions of the tensor the step size was already computed
-    from, so the quantizer is not recomputed and no full-size error tensor is formed.
-    (`y` is clipped to [-127, 127] before rounding; only the largest element can be clipped,
-    by a float rounding, so the sums agree with `error_stats(q, y)` to float precision.)
-    Inside `shard_map` the sums run over the global token and channel axes (`psum`).
+    `sum(q) - inv * sum(G')`: the sums of the int8 codes (`qrow`: over all channels, `qcol`:
+    over this shard's tokens, both exact int32) come out of the backward GEMMs, and the sums
+    of `G'` are reductions of the tensor the step size was already computed from, so the
+    quantizer is not recomputed and no full-size error tensor is formed. (`y` is clipped to
+    [-127, 127] before rounding; only the largest element can be clipped, by a float
+    rounding, so the means agree with `error_stats(q, y)` to float precision.) Inside
+    `shard_map` the sums run over the global token and channel axes (`psum`).
     """
-    B, S, D = q.shape
+    _, S, D = gp.shape
     D_all, S_all = D * ax.size("d_out"), S * ax.size("seq")
-    qrow = _int_dot(q, jnp.ones((D,), jnp.int8), ((2,), (0,)))  # (B, S)
-    row = ax.psum(qrow.astype(_F32) - inv * jnp.sum(gp, axis=2), "d_out")
-    eps = row / D_all
-    if not channel:
+    eps = (qrow.astype(_F32) - inv * ax.psum(jnp.sum(gp, axis=2), "d_out")) / D_all
+    if qcol is None:
         return eps, None
-    qcol = _int_dot(q, jnp.ones((B, S), jnp.int8), ((1,), (1,)), ((0,), (0,)))  # (B, D)
     a = ax.psum(qcol.astype(_F32) - inv * jnp.sum(gp, axis=1), "seq") / S_all
     m = ax.psum(jnp.sum(eps, axis=1), "seq") / S_all
     return eps, a - m[:, None]
@@ -201,30 +225,33 @@ def _error_means(q, gp, inv, ax: ShardAxes, *, channel: bool):
 
 def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, residuals, g):
     (xq, wq, sx, sw, xsum, rw), key, x_like, w_like = residuals
+    ec = policy.correction
+    B, S, D = g.shape
+    H = wq.shape[0] - (1 if _needs_row_sums(ec) else 0)
     # Fold both scales into the gradient, one per-tensor step (float32 even for bf16 G).
     gp = sx * g.astype(_F32) * sw[None]
     delta, inv, q_dx, q_dw = gradient_codes(policy, gp, key, ax)
-    ec = policy.correction
-    if ec.dx_token or ec.dw:
-        # Materialize the codes once: the GEMMs and the error sums read the same int8 tensor
-        # (otherwise XLA recomputes the quantizer for every consumer).
-        if q_dx is q_dw:
-            q_dx = q_dw = jax.lax.optimization_barrier(q_dx)
-        else:
-            q_dx, q_dw = jax.lax.optimization_barrier((q_dx, q_dw))
 
-    dx = ax.psum(_int_dot(q_dx, wq, ((2,), (1,))), "d_out").astype(_F32)  # (B, S, H)
-    dw = _token_contraction(xq, q_dw)  # (H, D), this shard's tokens
+    dx = ax.psum(_int_dot(q_dx, wq, ((2,), (1,))), "d_out")  # (B, S, H [+ 1])
+    dw = _token_contraction(xq, q_dw)  # (H [+ B], D), this shard's tokens
+    qrow = dx[..., H] if _needs_row_sums(ec) else None  # sum_d q_dx  (all channels)
+    qcol = dw[H:] if _needs_col_sums(ec) else None  # sum_s q_dw  (this shard's tokens)
+    dx, dw = dx[..., :H].astype(_F32), dw[:H]
 
     if ec.dx_token or ec.dx_channel:
-        eps, am = _error_means(q_dx, gp, inv, ax, channel=ec.dx_channel)
+        qcol_dx = qcol
+        if ec.dx_channel and q_dx is not q_dw:  # twice-quantized: sums of the other codes
+            qcol_dx = _code_sums(q_dx)[1]
+        eps, am = _error_means(qrow, qcol_dx if ec.dx_channel else None, gp, inv, ax)
         if ec.dx_token:
             dx = dx - eps[..., None] * rw.astype(_F32)[None, None, :]
         if ec.dx_channel:
-            dx = dx - ax.psum(jnp.dot(am, wq.T.astype(_F32)), "d_out")[:, None, :]
+            wq_f = wq[:H].T.astype(_F32)
+            dx = dx - ax.psum(jnp.dot(am, wq_f), "d_out")[:, None, :]
     if ec.dw:
-        eps, am = _error_means(q_dw, gp, inv, ax, channel=True)
-        token_term = jnp.einsum("bsh,bs->h", xq.astype(_F32), eps)
+        qrow_dw = qrow if q_dx is q_dw else ax.psum(_code_sums(q_dw)[0], "d_out")
+        eps, am = _error_means(qrow_dw, qcol, gp, inv, ax)
+        token_term = jnp.einsum("bsh,bs->h", xq[..., :H].astype(_F32), eps)
         dw = dw - token_term[:, None]
         # xsum and am are already sums over all tokens: this term sums over examples only.
         channel_term = ax.psum(jnp.dot(xsum.T.astype(_F32), am), "batch")

@@ -240,7 +240,8 @@ def test_jaxpr_int8_gemms(policy):
         return np.prod(e.outvars[0].aval.shape) * np.prod([shape[i] for i in contract])
 
     eqns = dot_eqns(jax.grad(f, argnums=(0, 1)), x, w, key)
-    gemms = [e for e in eqns if flops(e) == B * S * H * D]
+    # the GEMMs (the backward ones may carry an extra row / B extra columns for EC sums)
+    gemms = [e for e in eqns if flops(e) >= B * S * H * D]
     assert len(gemms) == 3
     for e in gemms:
         assert [v.aval.dtype for v in e.invars] == [jnp.int8, jnp.int8]
