@@ -11,6 +11,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._interfaces import AbstractPolicy
 from ._qdot import qdot
+from ._sharding import ShardAxes
 
 
 @typing.final
@@ -78,7 +79,11 @@ class QuantLinear(eqx.Module):
             )
 
     def __call__(
-        self, x: Float[Array, "*batch in_features"], *, key: PRNGKeyArray | None = None
+        self,
+        x: Float[Array, "*batch in_features"],
+        *,
+        key: PRNGKeyArray | None = None,
+        axes: ShardAxes | None = None,
     ) -> Float[Array, "*batch out_features"]:
         """Apply the layer.
 
@@ -88,17 +93,20 @@ class QuantLinear(eqx.Module):
           `(in_features,)` (one token).
         - `key`: a fresh key for the backward thresholds; required when the policy is
           stochastic. (Keyword only argument.)
+        - `axes`: inside `jax.shard_map`, the mesh axes sharding `x` and the weight (see
+          [`s3req.ShardAxes`][]); the local `in_features`/`out_features` are then the
+          layer's shard. `None` under `jax.jit` or unsharded. (Keyword only argument.)
 
         **Returns:**
 
         `(..., out_features)` in the dtype of `x`.
         """
-        if x.shape[-1:] != (self.in_features,):
+        if x.shape[-1:] != (self.weight.shape[1],):
             raise ValueError(
-                f"QuantLinear expects inputs with last axis {self.in_features}, got shape "
+                f"QuantLinear expects inputs with last axis {self.weight.shape[1]}, got shape "
                 f"{x.shape}."
             )
-        y = qdot(x, self.weight.T, policy=self.policy, key=key)
+        y = qdot(x, self.weight.T, policy=self.policy, key=key, axes=axes)
         if self.bias is not None:
             y = y + jnp.broadcast_to(self.bias.astype(y.dtype), y.shape)
         return y

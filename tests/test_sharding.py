@@ -5,6 +5,7 @@ Runs on 8 host CPU devices (tests/conftest.py sets `--xla_force_host_platform_de
 
 import re
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -178,3 +179,29 @@ def test_no_full_size_random_tensor(mesh_shape, getkey):
         )
         biggest = max(_u32_sizes(hlo), default=0)
         assert (biggest >= shard_elems) == expect_full, (policy, biggest, shard_elems)
+
+
+def test_quant_linear_inside_shard_map(getkey):
+    """QuantLinear takes the same `axes`: a column-parallel layer with bias on a (4, 2) mesh."""
+    from s3req import QuantLinear
+
+    layer = QuantLinear(H, D, policy=Policy(Phi2D(), TwoWayEC()), key=getkey())
+    x = jr.normal(getkey(), (B, S, H))
+    key = getkey()
+    mesh = _mesh((4, 2))
+    axes = ShardAxes(batch="fsdp", d_out="tp")
+    specs = eqx.tree_at(lambda l: (l.weight, l.bias), layer, (P("tp"), P("tp")))
+    sharded = eqx.tree_at(
+        lambda l: (l.weight, l.bias),
+        layer,
+        (_put(layer.weight, mesh, P("tp")), _put(layer.bias, mesh, P("tp"))),
+    )
+    y = jax.jit(
+        jax.shard_map(
+            lambda l, x, k: l(x, key=k, axes=axes),
+            mesh=mesh,
+            in_specs=(specs, P("fsdp"), P()),
+            out_specs=P("fsdp", None, "tp"),
+        )
+    )(sharded, _put(x, mesh, P("fsdp")), key)
+    np.testing.assert_allclose(y, layer(x, key=key), rtol=1e-5, atol=1e-5)
