@@ -1,0 +1,211 @@
+"""Table III of the paper: forward + backward of one SwiGLU FFN block per rounding policy.
+
+One `models.FFN` block (gate, up, down: three `QuantLinear`s) at the paper's shapes W1..W9
+(`models.PAPER_FFN_SHAPES`), bf16 activations and upstream gradient, float32 weights, timed
+as `y, vjp = eqx.filter_vjp(ffn, x); vjp(g)` under `jax.jit`. All policies of a shape are
+compiled first and then timed round-robin in one process (the median of the repeats), with
+the timing helper of `benchmarks/bench_qdot.py`; only ratios measured side by side are
+reported, never absolute CPU times (the machine is shared and noisy).
+
+CPU scaling (default): the relative cost of the gradient quantizer and the corrections
+against the GEMMs scales as 1/H, independent of the number of tokens T, so the scaled runs
+keep the true (H, D_ffn) and shrink T = batch x seq until T x H x D_ffn <= 1e9 (at least 64
+tokens). From W4 on even 64 tokens exceed that budget (and the float32 weights of W9 alone
+take 2.8 GB), so W4..W9 also scale H and D_ffn by a common factor (keeping D_ffn / H, rounded
+to multiples of 128): those rows measure a smaller H than the paper's and are marked.
+`--full` runs the exact shapes with `--tokens` tokens (default 8192 = 4 x 2048), for a GPU.
+
+    python experiments/table3_ffn_speed.py                 # CPU, ~10 min on 2 shared cores
+    python experiments/table3_ffn_speed.py --full          # exact W1..W9 (GPU)
+    python experiments/table3_ffn_speed.py --smoke --out /tmp/t3   # smoke test
+
+Writes `table3_ffn_speed[_full].{json,md}` into `--out` (default `docs/results/`).
+"""
+
+import argparse
+import json
+import math
+import pathlib
+import platform
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_qdot import _time  # noqa: E402  (round-robin timing: compile all, median)
+
+import models  # noqa: E402
+from policies import PRESETS  # noqa: E402
+
+
+POLICIES = ("bf16", "rtne", "sr", "s3r", "s3r-ec-2way", "s3r-ec-dx")
+# The paper's Table III (TPU v5p): speedup over BF16 for RTNE, SR, S3R; EC overhead (%) over S3R.
+PAPER = {
+    "W1": (1.12, 0.58, 1.08, 13.0, 14.8),
+    "W2": (1.45, 0.91, 1.44, 7.3, 9.6),
+    "W3": (1.73, 1.29, 1.73, -0.6, 1.7),
+    "W4": (1.92, 1.54, 1.92, 4.8, 4.1),
+    "W5": (1.84, 1.53, 1.83, 2.8, 3.3),
+    "W6": (1.89, 1.60, 1.90, 2.7, 3.1),
+    "W7": (1.87, 1.56, 1.87, 3.4, 3.1),
+    "W8": (1.82, 1.58, 1.81, 0.7, 2.7),
+    "W9": (1.81, 1.66, 1.81, 3.8, 2.2),
+}
+BUDGET = 1e9  # T * H * D_ffn on the CPU
+MIN_TOKENS = 64
+
+
+def cpu_shape(h: int, d: int, budget: float = BUDGET, min_tokens: int = MIN_TOKENS):
+    """`(H, D_ffn, tokens, scaled)` of the CPU run of a paper shape `(h, d)`."""
+    tokens = int(min(1024, budget / (h * d)) // 64 * 64)
+    if tokens >= min_tokens:
+        return h, d, tokens, False
+    s = math.sqrt(budget / (min_tokens * h * d))
+    h2 = max(128, int(round(h * s / 128)) * 128)
+    d2 = max(128, int(round(h2 * d / h / 128)) * 128)
+    return h2, d2, min_tokens, True
+
+
+def fwd_bwd(ffn, x, g, key):
+    y, vjp = eqx.filter_vjp(lambda m, x: m(x, key=key), ffn, x)
+    return y, vjp(g)
+
+
+def bench(h: int, d: int, tokens: int, repeats: int, policies=POLICIES) -> dict[str, float]:
+    batch = 2 if tokens >= 128 else 1
+    seq = tokens // batch
+    kx, kg, kw = jr.split(jr.key(0), 3)
+    x = jr.normal(kx, (batch, seq, h), jnp.bfloat16)
+    g = jr.normal(kg, (batch, seq, h)) * jnp.exp(jr.normal(jr.fold_in(kg, 1), (batch, seq, h)))
+    g = g.astype(jnp.bfloat16)
+    key = jr.key(1)
+    base = models.FFN(h, d, None, key=kw)
+    fns, args = {}, {}
+    for name in policies:
+        # The same weights under every policy (QuantLinear's policy is an ordinary field).
+        ffn = eqx.tree_at(
+            lambda m: (m.gate.policy, m.up.policy, m.down.policy),
+            base,
+            (PRESETS[name],) * 3,
+            is_leaf=lambda n: n is None,
+        )
+        fns[name] = eqx.filter_jit(fwd_bwd)
+        args[name] = (ffn, x, g, key)
+    return _time(fns, args, repeats)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--full", action="store_true", help="exact W1..W9 shapes (for a GPU)")
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens per block with --full")
+    ap.add_argument("--smoke", action="store_true", help="W1 at 1/8 width, 16 tokens")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--shapes", default=",".join(models.PAPER_FFN_SHAPES))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    args = ap.parse_args(argv)
+    names = args.shapes.split(",")
+    if args.smoke:
+        names = names[:1]
+    rows = []
+    for name in names:
+        h, d = models.PAPER_FFN_SHAPES[name]
+        if args.full:
+            shape = (h, d, args.tokens, False)
+        elif args.smoke:
+            shape = cpu_shape(h // 8, d // 8, budget=2e6, min_tokens=16)
+            shape = (shape[0], shape[1], shape[2], True)
+        else:
+            shape = cpu_shape(h, d)
+        times = bench(shape[0], shape[1], shape[2], args.repeats)
+        rows.append(
+            {
+                "name": name,
+                "paper_shape": [h, d],
+                "h": shape[0],
+                "d_ffn": shape[1],
+                "tokens": shape[2],
+                "scaled": shape[3],
+                "median_s": times,
+            }
+        )
+        t = times
+        print(
+            f"[table3] {name} {shape}: "
+            + ", ".join(f"{p} {t['bf16'] / t[p]:.2f}x" for p in POLICIES),
+            file=sys.stderr,
+            flush=True,
+        )
+    meta = {
+        "mode": "full" if args.full else ("smoke" if args.smoke else "cpu"),
+        "device": jax.devices()[0].device_kind,
+        "platform": platform.platform(),
+        "jax": jax.__version__,
+        "repeats": args.repeats,
+    }
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "table3_ffn_speed" + ("_full" if args.full else "")
+    summary = {"meta": meta, "rows": rows}
+    (out / f"{stem}.json").write_text(json.dumps(summary, indent=1))
+    (out / f"{stem}.md").write_text(markdown(summary))
+    print((out / f"{stem}.md").read_text())
+    return summary
+
+
+def markdown(s: dict) -> str:
+    meta = s["meta"]
+    cmd = (
+        "python experiments/table3_ffn_speed.py"
+        + {"full": " --full", "smoke": " --smoke", "cpu": ""}[meta["mode"]]
+    )
+    lines = [
+        f"# Table III: SwiGLU FFN block forward + backward ({meta['mode']})",
+        "",
+        f"Generated by `{cmd}` on {meta['device']} ({meta['platform']}, jax {meta['jax']}); "
+        f"median of {meta['repeats']} round-robin repeats after compiling every policy, bf16 "
+        "activations and gradients, float32 weights. Speedups are BF16 time / policy time "
+        "(higher is faster); the S3R-EC columns are the extra time over S3R (Phi2D) in %. "
+        "Times were measured side by side in one process on a shared machine; "
+        "differences of a few % are within its noise. In brackets: the paper's TPU v5p value.",
+        "",
+    ]
+    if meta["mode"] != "full":
+        lines += [
+            "On a CPU XLA's int8 x int8 -> int32 GEMM is not faster than the bf16 one (see "
+            "`JAX-NOTES.md`), so INT8 gains nothing over BF16 here and the speedup columns "
+            "mostly measure the vector work around the GEMMs (scales, rounding, thresholds, "
+            "corrections). The paper's claims that transfer are the ratios between INT8 "
+            "policies: S3R vs RTNE, Independent SR vs S3R, and the EC overheads. No "
+            "vector-operation count per element is derived: the CPU has no separate vector "
+            "unit to attribute time to. Rows marked * ran at a reduced H (see the script's "
+            "docstring).",
+            "",
+        ]
+    lines += [
+        "| shape | paper (H, D_ffn) | run (H, D_ffn), tokens | INT8 RTNE | Indep. SR "
+        "| S3R (Phi2D) | S3R-EC two-way | S3R-EC dX-only | S3R / RTNE time | SR / S3R time |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in s["rows"]:
+        t = r["median_s"]
+        p = PAPER[r["name"]]
+        sp = lambda n, pv: f"{t['bf16'] / t[n]:.2f} ({pv:.2f})"
+        ov = lambda n, pv: f"{100 * (t[n] / t['s3r'] - 1):+.1f} ({pv:+.1f})"
+        star = "*" if r["scaled"] and meta["mode"] == "cpu" else ""
+        lines.append(
+            f"| {r['name']}{star} | {tuple(r['paper_shape'])} | ({r['h']}, {r['d_ffn']}), "
+            f"{r['tokens']} | {sp('rtne', p[0])} | {sp('sr', p[1])} | {sp('s3r', p[2])} | "
+            f"{ov('s3r-ec-2way', p[3])} | {ov('s3r-ec-dx', p[4])} | "
+            f"{t['s3r'] / t['rtne']:.3f} | {t['sr'] / t['s3r']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
