@@ -5,6 +5,7 @@ import typing
 import equinox as eqx
 
 from s3req import AbstractCorrection, AbstractPolicy, AbstractTopology
+from s3req._formats import AbstractGradFormat, INT8
 
 from ._correction import DxOnlyEC, NoEC, TwoWayEC
 from ._topology import Independent, Nearest, Phi2D, PhiBcast
@@ -22,6 +23,8 @@ class Policy(AbstractPolicy):
 
     - `topology`: one of `Nearest()`, `Independent()`, `Phi2D()`, `PhiBcast()`, `Split(...)`.
     - `correction`: one of `NoEC()` (default), `DxOnlyEC()`, `TwoWayEC()`, `DwOnlyEC()`.
+    - `fmt`: the gradient format: `INT8` (default, the paper), `INT4`, `FP8_E5M2`, `MXFP4`,
+      `NVFP4`, or any `IntGrad(bits)` / `BlockFloatGrad(dtype, block, pow2)`.
 
     !!! Example
 
@@ -33,6 +36,7 @@ class Policy(AbstractPolicy):
 
     topology: AbstractTopology
     correction: AbstractCorrection = eqx.field(default_factory=NoEC)
+    fmt: AbstractGradFormat = INT8
 
     def __check_init__(self):
         if not isinstance(self.topology, AbstractTopology):
@@ -43,6 +47,10 @@ class Policy(AbstractPolicy):
             raise TypeError(
                 "Policy: `correction` must be NoEC(), DxOnlyEC(), TwoWayEC() or DwOnlyEC(), "
                 f"got {self.correction!r}."
+            )
+        if not isinstance(self.fmt, AbstractGradFormat):
+            raise TypeError(
+                f"Policy: `fmt` must be a gradient format such as INT8 or MXFP4, got {self.fmt!r}."
             )
         if isinstance(self.topology, Nearest) and not isinstance(self.correction, NoEC):
             raise ValueError(

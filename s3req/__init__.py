@@ -2,12 +2,42 @@
 
 import importlib.metadata
 
+from ._float_sr import (
+    float_format as float_format,
+    FLOAT_FORMATS as FLOAT_FORMATS,
+    float_thresholds as float_thresholds,
+    FloatFormat as FloatFormat,
+    grid_neighbours as grid_neighbours,
+    sr_float as sr_float,
+    stochastic_round as stochastic_round,
+    THRESHOLD_BITS as THRESHOLD_BITS,
+)
+from ._formats import (
+    AbstractGradFormat as AbstractGradFormat,
+    BlockFloatGrad as BlockFloatGrad,
+    FP8_E5M2 as FP8_E5M2,
+    INT4 as INT4,
+    INT8 as INT8,
+    IntGrad as IntGrad,
+    MXFP4 as MXFP4,
+    NVFP4 as NVFP4,
+)
 from ._interfaces import (
     AbstractCorrection as AbstractCorrection,
     AbstractPolicy as AbstractPolicy,
     AbstractTopology as AbstractTopology,
 )
 from ._linear import QuantLinear as QuantLinear
+from ._optim import (
+    Adam8bitState as Adam8bitState,
+    adam_8bit as adam_8bit,
+    apply_updates_sr as apply_updates_sr,
+    BlockQuantized as BlockQuantized,
+    dequantize_blockwise as dequantize_blockwise,
+    quantize_blockwise as quantize_blockwise,
+    STATE_DTYPES as STATE_DTYPES,
+    tree_bytes as tree_bytes,
+)
 from ._qdot import (
     gradient_codes as gradient_codes,
     MAX_TERMS as MAX_TERMS,
@@ -21,6 +51,7 @@ from ._quantize import (
     round_to_int8 as round_to_int8,
     sr_codes as sr_codes,
 )
+from ._ragged import qragged_dot as qragged_dot
 from ._sharding import ShardAxes as ShardAxes
 from ._surgery import quantize as quantize
 from ._threefry import random_bits as random_bits, threefry2x32 as threefry2x32

@@ -10,6 +10,7 @@ from typing import Literal
 import equinox as eqx
 from jaxtyping import Array, Int, PRNGKeyArray
 
+from ._formats import AbstractGradFormat
 from ._thresholds import Layout
 
 
@@ -60,10 +61,12 @@ class AbstractCorrection(eqx.Module):
 
 
 class AbstractPolicy(eqx.Module):
-    """A rounding policy: a threshold topology composed with an error correction."""
+    """A rounding policy: a threshold topology composed with an error correction, and the
+    number format of the quantized gradient."""
 
     topology: eqx.AbstractVar[AbstractTopology]
     correction: eqx.AbstractVar[AbstractCorrection]
+    fmt: eqx.AbstractVar[AbstractGradFormat]
 
     @property
     def stochastic(self) -> bool:

@@ -6,15 +6,15 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import Array, Float, Int8, PRNGKeyArray
+from jaxtyping import Array, Float, Int8, PRNGKeyArray, Shaped
 
+from ._formats import BlockFloatGrad, IntGrad
 from ._interfaces import AbstractPolicy
 from ._quantize import (
     absmax_scale,
     gradient_step,
     QMAX,
     round_to_int8,
-    sr_codes,
 )
 from ._sharding import NO_AXES, ShardAxes
 from ._thresholds import Layout
@@ -133,8 +133,11 @@ def quantize_gradient(
     y: Float[Array, "..."],
     key: PRNGKeyArray | None,
     block: Layout,
-) -> tuple[Int8[Array, "..."], Int8[Array, "..."]]:
-    """The int8 codes of the scaled gradient `y = G'/delta` for the dX and the dW GEMM.
+) -> tuple[Shaped[Array, "..."], Shaped[Array, "..."]]:
+    """The codes of the scaled gradient `y` for the dX and the dW GEMM.
+
+    For integer formats `y = G'/delta` and the codes are int8; for block-float formats `y` is
+    `G'` divided by its block scales and the codes are float32 values on the format's grid.
 
     `y` is a `(b, s, d)` block of the dense gradient described by a [`s3req.Block`][], or the
     `(n, d)` expert-sorted rows described by a [`s3req.Rows`][].
@@ -143,17 +146,69 @@ def quantize_gradient(
     GEMMs); otherwise they are rounded with two independent threshold tensors.
     """
     topology = policy.topology
+    fmt = policy.fmt
+
+    def rnd(th):
+        t, bits = (None, 0) if th is None else th
+        if isinstance(fmt, IntGrad):
+            return fmt.codes(y, t, bits)
+        return fmt.round(y, t, bits)  # pyright: ignore[reportAttributeAccessIssue]
+
     if topology.quantizes_once():
-        th = topology.thresholds(key, block, "dx")  # pyright: ignore[reportArgumentType]
-        q = sr_codes(y, *th) if th is not None else sr_codes(y, None, 0)
+        q = rnd(topology.thresholds(key, block, "dx"))  # pyright: ignore[reportArgumentType]
         return q, q
     assert key is not None
     kx, kw = jr.split(key)
-    out = []
-    for k, product in ((kx, "dx"), (kw, "dw")):
-        th = topology.thresholds(k, block, product)
-        out.append(sr_codes(y, *th) if th is not None else sr_codes(y, None, 0))
-    return out[0], out[1]
+    return rnd(topology.thresholds(kx, block, "dx")), rnd(topology.thresholds(kw, block, "dw"))
+
+
+def _global_amax(gp: Array, ax: ShardAxes) -> Array:
+    """`max|G'|` over the whole logical tensor; raises (at run time) on NaN or Inf."""
+    amax = ax.pmax(jnp.max(jnp.abs(gp)), "batch", "seq", "d_out")
+    return eqx.error_if(
+        amax,
+        ~jnp.isfinite(amax),
+        "s3req.qdot: the upstream gradient contains NaN or Inf (check the loss and the "
+        "layers above this one).",
+    )
+
+
+def _float_gradient(policy: AbstractPolicy, gp, key, ax: ShardAxes):
+    """Block-float formats: scale, round onto the float grid, dequantize (dX and dW copies)."""
+    fmt = policy.fmt
+    assert isinstance(fmt, BlockFloatGrad)
+    B, S, D = gp.shape
+    amax = _global_amax(gp, ax)
+    if fmt.block is None:
+        s = fmt.scales(amax)
+        y, unscale = gp / s, lambda q: q * s
+    else:
+        if D % fmt.block:
+            raise ValueError(
+                f"s3req.qdot: {fmt.describe()} needs the gradient's channels ({D} per shard) to "
+                f"be a multiple of the block size {fmt.block}."
+            )
+        g4 = gp.reshape(B, S, D // fmt.block, fmt.block)
+        s = fmt.scales(jnp.max(jnp.abs(g4), axis=-1, keepdims=True))
+        y = (g4 / s).reshape(B, S, D)
+        unscale = lambda q: (q.reshape(g4.shape) * s).reshape(B, S, D)
+    q_dx, q_dw = quantize_gradient(policy, y, key, ax.block(gp.shape))  # pyright: ignore
+    if q_dx is q_dw:
+        deq = unscale(q_dx)
+        return deq, deq
+    return unscale(q_dx), unscale(q_dw)
+
+
+def _direct_error_means(e, ax: ShardAxes, *, channel: bool):
+    """`eps` and `a - m` of a dequantized gradient's error `e = deq - G'` (absolute units)."""
+    _, S, D = e.shape
+    D_all, S_all = D * ax.size("d_out"), S * ax.size("seq")
+    eps = ax.psum(jnp.sum(e, axis=2), "d_out") / D_all
+    if not channel:
+        return eps, None
+    a = ax.psum(jnp.sum(e, axis=1), "seq") / S_all
+    m = ax.psum(jnp.sum(eps, axis=1), "seq") / S_all
+    return eps, a - m[:, None]
 
 
 def gradient_codes(
@@ -180,15 +235,11 @@ def gradient_codes(
     `(delta, inv, q_dx, q_dw)`; `q_dx is q_dw` for policies that quantize once.
     """
     ax = NO_AXES if axes is None else axes
-    amax_local = jnp.max(jnp.abs(gp))
-    delta, inv = gradient_step(ax.pmax(amax_local, "batch", "seq", "d_out"))
-    delta = eqx.error_if(
-        delta,
-        ~jnp.isfinite(delta),
-        "s3req.qdot: the upstream gradient contains NaN or Inf (check the loss and the "
-        "layers above this one).",
-    )
-    y = jnp.clip(gp * inv, -QMAX, QMAX)
+    fmt = policy.fmt
+    if not isinstance(fmt, IntGrad):
+        raise TypeError(f"gradient_codes: integer gradient formats only, got {fmt}.")
+    delta, inv = gradient_step(_global_amax(gp, ax), fmt.qmax)
+    y = jnp.clip(gp * inv, -fmt.qmax, fmt.qmax)
     q_dx, q_dw = quantize_gradient(policy, y, key, ax.block(gp.shape))  # pyright: ignore
     return delta, inv, q_dx, q_dw
 
@@ -201,8 +252,9 @@ def _code_sums(q: Int8[Array, "b s d"]) -> tuple[Array, Array]:
     return rows, cols
 
 
-def _error_means(qrow, qcol, gp, inv, ax: ShardAxes):
-    """Token means `eps` and, if `qcol` is given, centred channel means `a - m` of the error.
+def _error_means(qrow, qcol, gp, inv, delta, ax: ShardAxes):
+    """Token means `eps` and, if `qcol` is given, centred channel means `a - m` of the error,
+    in units of `G'` (integer formats).
 
     The error in units of the step is `e = q - y` with `y = G' * inv`. Its sums are taken as
     `sum(q) - inv * sum(G')`: the sums of the int8 codes (`qrow`: over all channels, `qcol`:
@@ -217,50 +269,69 @@ def _error_means(qrow, qcol, gp, inv, ax: ShardAxes):
     D_all, S_all = D * ax.size("d_out"), S * ax.size("seq")
     eps = (qrow.astype(_F32) - inv * ax.psum(jnp.sum(gp, axis=2), "d_out")) / D_all
     if qcol is None:
-        return eps, None
+        return delta * eps, None
     a = ax.psum(qcol.astype(_F32) - inv * jnp.sum(gp, axis=1), "seq") / S_all
     m = ax.psum(jnp.sum(eps, axis=1), "seq") / S_all
-    return eps, a - m[:, None]
+    return delta * eps, delta * (a - m[:, None])
 
 
 def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, residuals, g):
     (xq, wq, sx, sw, xsum, rw), key, x_like, w_like = residuals
     ec = policy.correction
-    B, S, D = g.shape
     H = wq.shape[0] - (1 if _needs_row_sums(ec) else 0)
-    # Fold both scales into the gradient, one per-tensor step (float32 even for bf16 G).
+    # Fold both scales into the gradient (float32 even for bf16 G).
     gp = sx * g.astype(_F32) * sw[None]
-    delta, inv, q_dx, q_dw = gradient_codes(policy, gp, key, ax)
 
-    dx = ax.psum(_int_dot(q_dx, wq, ((2,), (1,))), "d_out")  # (B, S, H [+ 1])
-    dw = _token_contraction(xq, q_dw)  # (H [+ B], D), this shard's tokens
-    qrow = dx[..., H] if _needs_row_sums(ec) else None  # sum_d q_dx  (all channels)
-    qcol = dw[H:] if _needs_col_sums(ec) else None  # sum_s q_dw  (this shard's tokens)
-    dx, dw = dx[..., :H].astype(_F32), dw[:H]
+    # The two GEMMs, and the error means (eps, a - m) of the dX and dW codes, all in units of
+    # G' (one implementation of the correction below serves every format).
+    if isinstance(policy.fmt, IntGrad):
+        delta, inv, q_dx, q_dw = gradient_codes(policy, gp, key, ax)
+        dx = ax.psum(_int_dot(q_dx, wq, ((2,), (1,))), "d_out")  # (B, S, H [+ 1])
+        dw = _token_contraction(xq, q_dw)  # (H [+ B], D), this shard's tokens
+        qrow = dx[..., H] if _needs_row_sums(ec) else None  # sum_d q_dx (all channels)
+        qcol = dw[H:] if _needs_col_sums(ec) else None  # sum_s q_dw (this shard's tokens)
+        dx, dw = delta * dx[..., :H].astype(_F32), delta * dw[:H]
 
+        def means_dx():
+            qcol_dx = qcol
+            if ec.dx_channel and q_dx is not q_dw:  # twice quantized: the other codes' sums
+                qcol_dx = _code_sums(q_dx)[1]
+            return _error_means(qrow, qcol_dx if ec.dx_channel else None, gp, inv, delta, ax)
+
+        def means_dw():
+            qrow_dw = qrow if q_dx is q_dw else ax.psum(_code_sums(q_dw)[0], "d_out")
+            return _error_means(qrow_dw, qcol, gp, inv, delta, ax)
+
+    else:
+        deq_dx, deq_dw = _float_gradient(policy, gp, key, ax)
+        # No FP8/FP4 GEMM on this hardware: the GEMMs run on the dequantized values.
+        dx = ax.psum(jnp.dot(deq_dx, wq[:H].T.astype(_F32)), "d_out")
+        dw = jnp.einsum("bsh,bsd->hd", xq[..., :H].astype(_F32), deq_dw)
+
+        def means_dx():
+            return _direct_error_means(deq_dx - gp, ax, channel=ec.dx_channel)
+
+        def means_dw():
+            return _direct_error_means(deq_dw - gp, ax, channel=True)
+
+    # S3R-EC: subtract the image of the structured error P = a + eps - m.
     if ec.dx_token or ec.dx_channel:
-        qcol_dx = qcol
-        if ec.dx_channel and q_dx is not q_dw:  # twice-quantized: sums of the other codes
-            qcol_dx = _code_sums(q_dx)[1]
-        eps, am = _error_means(qrow, qcol_dx if ec.dx_channel else None, gp, inv, ax)
+        eps, am = means_dx()
         if ec.dx_token:
             dx = dx - eps[..., None] * rw.astype(_F32)[None, None, :]
         if ec.dx_channel:
-            wq_f = wq[:H].T.astype(_F32)
-            dx = dx - ax.psum(jnp.dot(am, wq_f), "d_out")[:, None, :]
+            dx = dx - ax.psum(jnp.dot(am, wq[:H].T.astype(_F32)), "d_out")[:, None, :]
     if ec.dw:
-        qrow_dw = qrow if q_dx is q_dw else ax.psum(_code_sums(q_dw)[0], "d_out")
-        eps, am = _error_means(qrow_dw, qcol, gp, inv, ax)
+        eps, am = means_dw()
         token_term = jnp.einsum("bsh,bs->h", xq[..., :H].astype(_F32), eps)
-        dw = dw - token_term[:, None]
         # xsum and am are already sums over all tokens: this term sums over examples only.
         channel_term = ax.psum(jnp.dot(xsum.T.astype(_F32), am), "batch")
-        dw = ax.psum(dw, "batch", "seq") - channel_term
+        dw = ax.psum(dw - token_term[:, None], "batch", "seq") - channel_term
     else:
         dw = ax.psum(dw, "batch", "seq")  # w is replicated over the token axes
 
-    dx = (delta * dx / sx).astype(x_like.dtype)
-    dw = (delta * dw / sw).astype(w_like.dtype)
+    dx = (dx / sx).astype(x_like.dtype)
+    dw = (dw / sw).astype(w_like.dtype)
     return dx, dw, None
 
 

@@ -29,18 +29,23 @@ def round_to_int8(x: Float[Array, "..."], scale: Float[Array, "..."]) -> Int8[Ar
     return jnp.clip(jnp.round(y), -QMAX, QMAX).astype(jnp.int8)
 
 
-def gradient_step(g: Float[Array, "..."]) -> tuple[Float[Array, ""], Float[Array, ""]]:
-    """The per-tensor step `delta = max|g| / 127` and the multiplier `inv = 127 / max|g|`.
+def gradient_step(
+    g: Float[Array, "..."], qmax: int = QMAX
+) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    """The per-tensor step `delta = max|g| / qmax` and the multiplier `inv = qmax / max|g|`.
 
     For an all-zero gradient `delta = 0` and `inv = 0`: every code is 0 and nothing is NaN.
+    (`g` may also be a precomputed maximum.)
     """
     amax = jnp.max(jnp.abs(g))
     safe = jnp.where(amax > 0, amax, jnp.ones_like(amax))
-    inv = jnp.where(amax > 0, QMAX / safe, jnp.zeros_like(amax))
-    return amax / QMAX, inv
+    inv = jnp.where(amax > 0, qmax / safe, jnp.zeros_like(amax))
+    return amax / qmax, inv
 
 
-def sr_codes(y: Float[Array, "..."], t: Int[Array, "..."] | None, bits: int) -> Int8[Array, "..."]:
+def sr_codes(
+    y: Float[Array, "..."], t: Int[Array, "..."] | None, bits: int, *, qmax: int = QMAX
+) -> Int8[Array, "..."]:
     """Round `y` (in units of the step, |y| <= 127) to int8 codes.
 
     With `t=None` this is round-to-nearest-even. Otherwise it is
@@ -51,22 +56,23 @@ def sr_codes(y: Float[Array, "..."], t: Int[Array, "..."] | None, bits: int) -> 
 
     **Arguments:**
 
-    - `y`: float32 values in units of the step, already clipped to [-127, 127].
+    - `y`: float32 values in units of the step, already clipped to [-qmax, qmax].
     - `t`: integer threshold indices in `[0, 2**bits)`, broadcastable to `y`, or `None`.
     - `bits`: bit width of `t` (7 for shared thresholds, 23 for per-element ones).
+    - `qmax`: the largest code (127 for int8, 7 for int4). (Keyword only argument.)
 
     **Returns:**
 
-    int8 codes in [-127, 127].
+    int8 codes in [-qmax, qmax].
     """
     if t is None:
-        return jnp.round(y).astype(jnp.int8)
+        return jnp.clip(jnp.round(y), -qmax, qmax).astype(jnp.int8)
     if not 1 <= bits <= 23:
         raise ValueError(f"Threshold bit width must be in [1, 23], got {bits}.")
     shift = bits + 1
     z = jnp.floor(y * float(2**shift)).astype(jnp.int32)
     q = (z + 2 * t.astype(jnp.int32) + 1) >> shift
-    return jnp.clip(q, -QMAX, QMAX).astype(jnp.int8)
+    return jnp.clip(q, -qmax, qmax).astype(jnp.int8)
 
 
 def error_stats(

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Int8, PRNGKeyArray
 
+from ._formats import IntGrad
 from ._interfaces import AbstractPolicy
 from ._qdot import DW_CHUNK, MAX_TERMS, quantize_gradient
 from ._quantize import absmax_scale, gradient_step, QMAX, round_to_int8
@@ -174,6 +175,11 @@ _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 def _check(x, w, group_sizes, policy, key, row_id, example_id, num_examples) -> None:
     name = "s3req.qragged_dot"
+    if policy is not None and policy.fmt != IntGrad(8):
+        raise NotImplementedError(
+            f"{name}: the expert GEMMs support the int8 gradient format only, got "
+            f"{policy.fmt.describe()}; use the format on the dense layers (qdot)."
+        )
     for arg, arr in (("x", x), ("w", w)):
         if not any(arr.dtype == d for d in _FLOATS):
             raise TypeError(

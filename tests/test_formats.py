@@ -1,0 +1,160 @@
+"""Gradient formats as a policy axis: int4, fp8-e5m2, MXFP4- and NVFP4-style block floats."""
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+from policies import (
+    BlockFloatGrad,
+    FP8_E5M2,
+    Independent,
+    INT4,
+    IntGrad,
+    MXFP4,
+    NoEC,
+    NVFP4,
+    Phi2D,
+    Policy,
+    TwoWayEC,
+)
+from s3req import absmax_scale, gradient_codes, qdot, round_to_int8
+from s3req._float_sr import grid_neighbours
+from s3req._qdot import _float_gradient
+from s3req._sharding import NO_AXES
+
+
+FORMATS = [INT4, FP8_E5M2, MXFP4, NVFP4]
+B, S, H, D = 2, 4, 16, 32
+N_KEYS = 1000
+
+
+def _problem(key):
+    k1, k2, k3, k4 = jr.split(key, 4)
+    x = jr.normal(k1, (B, S, H))
+    w = jr.normal(k2, (H, D))
+    g = jr.normal(k3, (B, S, D)) * jnp.exp(jr.normal(k4, (B, S, D)))
+    return x, w, g
+
+
+def _vjp(policy, x, w, g, key):
+    _, f = jax.vjp(lambda x, w: qdot(x, w, policy=policy, key=key), x, w)
+    return f(g)
+
+
+def _gp(x, w, g):
+    return absmax_scale(x, -1) * g * absmax_scale(w, 0)[None]
+
+
+def _step_bound(fmt, gp, bits):
+    """Per-element bound on the rounding bias, in units of G': (grid spacing) / 2**(bits+1)."""
+    if isinstance(fmt, IntGrad):
+        return jnp.full(gp.shape, jnp.max(jnp.abs(gp)) / fmt.qmax * 2.0 ** -(bits + 1))
+    Bg, Sg, Dg = gp.shape
+    blk = fmt.block or Dg
+    g4 = gp.reshape(Bg, Sg, Dg // blk, blk)
+    amax = jnp.max(jnp.abs(g4), -1, keepdims=True) if fmt.block else jnp.max(jnp.abs(gp))
+    s = fmt.scales(amax)
+    y = (g4 / s).reshape(gp.shape)
+    lo, hi = grid_neighbours(y, jnp.dtype(fmt.dtype))
+    spacing = (jnp.abs(hi - lo).reshape(g4.shape) * s).reshape(gp.shape)
+    return spacing * 2.0 ** -(bits + 1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.describe())
+@pytest.mark.parametrize("topology", [Phi2D(), Independent()], ids=["Phi2D", "Independent"])
+@pytest.mark.parametrize("correction", [NoEC(), TwoWayEC()], ids=["NoEC", "TwoWayEC"])
+def test_unbiased_every_format(fmt, topology, correction, getkey):
+    """Mean over 1000 keys equals the exact gradient of the executed graph: tolerance 5
+    standard errors plus the threshold grid's bias bound (x4 with EC, as in test_qdot)."""
+    x, w, g = _problem(getkey())
+    policy = Policy(topology, correction, fmt=fmt)
+    dx, dw = jax.jit(jax.vmap(lambda k: _vjp(policy, x, w, g, k)))(jr.split(getkey(), N_KEYS))
+    sx, sw = absmax_scale(x, -1), absmax_scale(w, 0)
+    xq = round_to_int8(x, sx).astype(jnp.float32)
+    wq = round_to_int8(w, sw).astype(jnp.float32)
+    dx_exact = g @ (wq * sw).T
+    dw_exact = jnp.einsum("bsh,bsd->hd", xq * sx, g)
+    bits = 23 if isinstance(topology, Independent) else 7
+    factor = 1.0 if isinstance(correction, NoEC) else 4.0
+    bias = factor * _step_bound(fmt, _gp(x, w, g), bits)
+    if isinstance(correction, TwoWayEC):  # the correction spreads any element's bias
+        bias = jnp.broadcast_to(jnp.max(bias), bias.shape)
+    bias_dx = jnp.einsum("bsd,hd->bsh", bias, jnp.abs(wq)) / sx
+    bias_dw = jnp.einsum("bsh,bsd->hd", jnp.abs(xq), bias) / sw
+    for est, exact, b in ((dx, dx_exact, bias_dx), (dw, dw_exact, bias_dw)):
+        se = jnp.std(est, axis=0) / np.sqrt(N_KEYS)
+        err = jnp.abs(jnp.mean(est, axis=0) - exact)
+        assert jnp.all(err <= 5 * se + b + 1e-5 * jnp.abs(exact)), float(
+            jnp.max(err / (5 * se + b + 1e-12))
+        )
+
+
+@pytest.mark.parametrize("fmt", [FP8_E5M2, MXFP4, NVFP4], ids=lambda f: f.describe())
+def test_float_codes_on_grid(fmt, getkey):
+    x, w, g = _problem(getkey())
+    gp = _gp(x, w, g)
+    policy = Policy(Phi2D(), fmt=fmt)
+    deq, _ = _float_gradient(policy, gp, getkey(), NO_AXES)
+    blk = fmt.block or D
+    g4 = gp.reshape(B, S, D // blk, blk)
+    amax = jnp.max(jnp.abs(g4), -1, keepdims=True) if fmt.block else jnp.max(jnp.abs(gp))
+    s = fmt.scales(amax)
+    q = (deq.reshape(g4.shape) / s).reshape(gp.shape)
+    on_grid = q.astype(jnp.dtype(fmt.dtype)).astype(jnp.float32)
+    if fmt.pow2:  # power-of-two scales: dequantization is exact, so q is recovered exactly
+        np.testing.assert_array_equal(on_grid, q)
+    else:  # float32 scales: q * s / s is q up to one float32 rounding
+        np.testing.assert_allclose(on_grid, q, rtol=2e-7)
+    if fmt.pow2:
+        np.testing.assert_array_equal(jnp.exp2(jnp.round(jnp.log2(s))), s)
+    # relative error of the dequantized gradient is that of the format's few mantissa bits
+    rel = jnp.linalg.norm(deq - gp) / jnp.linalg.norm(gp)
+    assert rel < (0.2 if "float4" in fmt.dtype else 0.1)
+
+
+def test_int4_codes(getkey):
+    x, w, g = _problem(getkey())
+    delta, _, q, _ = gradient_codes(Policy(Phi2D(), fmt=INT4), _gp(x, w, g), getkey())
+    assert int(jnp.max(jnp.abs(q))) <= 7 and q.dtype == jnp.int8
+    np.testing.assert_allclose(delta, jnp.max(jnp.abs(_gp(x, w, g))) / 7, rtol=1e-6)
+
+
+def test_formats_errors(getkey):
+    with pytest.raises(ValueError, match="bits"):
+        IntGrad(9)
+    with pytest.raises(ValueError, match="dtype"):
+        BlockFloatGrad("float16")
+    with pytest.raises(TypeError, match="fmt"):
+        Policy(Phi2D(), fmt="int8")  # pyright: ignore
+    x, w, _ = _problem(getkey())
+    with pytest.raises(ValueError, match="block size"):
+        _vjp(
+            Policy(Phi2D(), fmt=BlockFloatGrad("float4_e2m1fn", 24)),
+            x,
+            w,
+            jnp.ones((B, S, D)),
+            getkey(),
+        )
+    with pytest.raises(TypeError, match="integer"):
+        gradient_codes(Policy(Phi2D(), fmt=MXFP4), jnp.ones((B, S, D)), getkey())
+    from s3req import qragged_dot
+
+    with pytest.raises(NotImplementedError, match="int8"):
+        qragged_dot(
+            jnp.ones((4, 8)),
+            jnp.ones((2, 8, 8)),
+            jnp.array([2, 2], jnp.int32),
+            policy=Policy(Phi2D(), fmt=MXFP4),
+            key=getkey(),
+            row_id=jnp.arange(4, dtype=jnp.int32),
+            example_id=jnp.zeros(4, jnp.int32),
+        )
+
+
+def test_zero_gradient_every_format(getkey):
+    x, w, _ = _problem(getkey())
+    for fmt in FORMATS:
+        dx, dw = _vjp(Policy(Phi2D(), TwoWayEC(), fmt=fmt), x, w, jnp.zeros((B, S, D)), getkey())
+        assert jnp.all(dx == 0) and jnp.all(dw == 0)
