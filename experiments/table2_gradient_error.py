@@ -289,8 +289,10 @@ def markdown(s: dict) -> str:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Bias floor: the relative error of the gradient averaged over all keys (what the INT8 "
-        "forward pass and the 7-bit discretisation leave; rounding noise averages out):",
+        "Bias floor: the relative error of the gradient averaged over all keys. It is what "
+        "the INT8 forward pass and the 7-bit discretisation leave, plus the rounding noise "
+        "left after averaging (about the per-key error / sqrt(number of keys)). INT8 RTNE is "
+        "deterministic, so its floor is its whole error:",
         "",
         f"| configuration | dX layer 0 | dX layer {top} | dW layer 0 | Emb. |",
         "| --- | ---: | ---: | ---: | ---: |",

@@ -110,3 +110,11 @@ def test_theory_smoke(tmp_path):
         assert layer["summed_variance_fall"] > 0
     for name in ("lemma1", "lemma2", "theorem1", "bias"):
         assert (tmp_path / f"theory_{name}.png").stat().st_size > 0
+    # The index summary: theory filled in, the other tables listed as not generated, the
+    # text around the markers kept on a rerun.
+    index = _load("results_index")
+    (tmp_path / "index.md").write_text("# Results\n\nkept\n")
+    index.main(["--dir", str(tmp_path)])
+    text = index.main(["--dir", str(tmp_path)])
+    assert text.count(index.START) == 1 and "kept" in text
+    assert "### Theory" in text and "Table I: not generated yet" in text
