@@ -22,9 +22,7 @@ def _api_text() -> str:
     return "\n".join(p.read_text() for p in (ROOT / "docs" / "api").glob("*.md"))
 
 
-@pytest.mark.parametrize(
-    "pkg", [s3req, policies, models, s3req.train], ids=lambda p: p.__name__
-)
+@pytest.mark.parametrize("pkg", [s3req, policies, models, s3req.train], ids=lambda p: p.__name__)
 def test_every_public_name_has_an_api_entry(pkg):
     text = _api_text()
     documented = set(re.findall(r"^:::\s+([\w.]+)", text, flags=re.M))
@@ -50,3 +48,27 @@ def test_mkdocs_build_strict(tmp_path):
         text=True,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# Guides whose Python blocks run top to bottom as one program (others hold long training runs
+# or shell commands).
+RUNNABLE_GUIDES = ["quickstart.md", "formats.md", "scaling.md"]
+
+
+@pytest.mark.parametrize("guide", RUNNABLE_GUIDES)
+def test_guide_examples_run(guide):
+    text = (ROOT / "docs" / "guides" / guide).read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks
+    namespace: dict = {}
+    with jax_standard_promotion():
+        for block in blocks:
+            if not block.startswith("# long-running"):
+                exec(compile(block, guide, "exec"), namespace)
+
+
+def jax_standard_promotion():
+    """User code runs with JAX's default promotion rules, not the suite's strict ones."""
+    import jax
+
+    return jax.numpy_dtype_promotion("standard")
