@@ -268,10 +268,10 @@ def test_projections_get_distinct_keys(getkey, monkeypatch):
     seen = []
     qdot = s3req._linear.qdot
 
-    def recording_qdot(x, w, *, policy, key=None):
+    def recording_qdot(x, w, *, policy, key=None, **kwargs):
         assert key is not None
         seen.append(tuple(np.asarray(jr.key_data(key)).tolist()))
-        return qdot(x, w, policy=policy, key=key)
+        return qdot(x, w, policy=policy, key=key, **kwargs)
 
     monkeypatch.setattr(s3req._linear, "qdot", recording_qdot)
     model = Llama(MICRO, Policy(Phi2D()), key=getkey())
