@@ -39,10 +39,11 @@ def table1(d: pathlib.Path) -> list[str]:
     else:
         return ["Table I: not generated yet (`python experiments/table1_quality.py`)."]
     rows = s["rows"]
+    seeds = f" --seeds {s['seeds_override']}" if s.get("seeds_override") is not None else ""
     out = [
         f"### Table I: model quality ([page](table1_{scale}.md), `{scale}` scale)",
         "",
-        f"`python experiments/table1_quality.py --scale {scale}`"
+        f"`python experiments/table1_quality.py --scale {scale}{seeds}`"
         + (" (full CPU table: `--scale cpu`, a few hours)" if scale != "cpu" else "")
         + f". Final validation loss minus BF16's, mean over {len(s['settings']['seeds'])} seeds "
         "(+- the standard error of the difference); the paper's 12-layer C4 model beside it. "
@@ -75,7 +76,10 @@ def table1(d: pathlib.Path) -> list[str]:
         )
     out += ["", "Orderings of the paper at this scale:", ""]
     for c in s["claims"]:
-        out.append(f"- {c['claim']}: {c['verdict']} (t = {_f(c['t'], '+.1f')})")
+        out.append(
+            f"- {c['claim']}: {c['verdict']} (Welch t = {_f(c['t'], '+.1f')}, paired t = "
+            f"{_f(c.get('paired_t', float('nan')), '+.1f')})"
+        )
     return out
 
 

@@ -7,15 +7,20 @@ compiled first and then timed round-robin in one process (the median of the repe
 the timing helper of `benchmarks/bench_qdot.py`; only ratios measured side by side are
 reported, never absolute CPU times (the machine is shared and noisy).
 
-CPU scaling (default): the relative cost of the gradient quantizer and the corrections
-against the GEMMs scales as 1/H, independent of the number of tokens T, so the scaled runs
-keep the true (H, D_ffn) and shrink T = batch x seq until T x H x D_ffn <= 1e9 (at least 64
-tokens). From W4 on even 64 tokens exceed that budget (and the float32 weights of W9 alone
-take 2.8 GB), so W4..W9 also scale H and D_ffn by a common factor (keeping D_ffn / H, rounded
-to multiples of 128): those rows measure a smaller H than the paper's and are marked.
+CPU scaling (default): the relative cost of the gradient quantizer against the GEMMs scales
+as 1/H, but the weight-sized work of every call (quantizing W in the forward pass, the row
+sums and rank-1 terms of the corrections) scales as 1/T, T = batch x seq tokens: with few
+tokens the GEMMs are bound by reading the weights and any extra weight-sized pass costs as
+much as a GEMM (a first run with 64 tokens showed S3R-EC at +100-190% over S3R for that
+reason). So the CPU runs keep at least 256 tokens: they use the true (H, D_ffn) with
+T = min(2048, 3e9 / (H D_ffn)) tokens (rounded down to a multiple of 128) when that is at
+least 256 (W1, W2), and otherwise 256 tokens with H and D_ffn scaled down by a common factor
+(keeping D_ffn / H, multiples of 128) so that T x H x D_ffn <= 3e9 (W3..W9: those rows
+measure a smaller H than the paper's and are marked; their float32 weights would also not
+fit the machine at W9).
 `--full` runs the exact shapes with `--tokens` tokens (default 8192 = 4 x 2048), for a GPU.
 
-    python experiments/table3_ffn_speed.py                 # CPU, ~10 min on 2 shared cores
+    python experiments/table3_ffn_speed.py                 # CPU, ~15 min on 2 shared cores
     python experiments/table3_ffn_speed.py --full          # exact W1..W9 (GPU)
     python experiments/table3_ffn_speed.py --smoke --out /tmp/t3   # smoke test
 
@@ -57,13 +62,14 @@ PAPER = {
     "W8": (1.82, 1.58, 1.81, 0.7, 2.7),
     "W9": (1.81, 1.66, 1.81, 3.8, 2.2),
 }
-BUDGET = 1e9  # T * H * D_ffn on the CPU
-MIN_TOKENS = 64
+BUDGET = 3e9  # T * H * D_ffn on the CPU
+MIN_TOKENS = 256
+MAX_TOKENS = 2048
 
 
 def cpu_shape(h: int, d: int, budget: float = BUDGET, min_tokens: int = MIN_TOKENS):
     """`(H, D_ffn, tokens, scaled)` of the CPU run of a paper shape `(h, d)`."""
-    tokens = int(min(1024, budget / (h * d)) // 64 * 64)
+    tokens = int(min(MAX_TOKENS, budget / (h * d)) // 128 * 128)
     if tokens >= min_tokens:
         return h, d, tokens, False
     s = math.sqrt(budget / (min_tokens * h * d))
