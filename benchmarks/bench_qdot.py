@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
-from policies import PRESETS, Independent, Policy
-from s3req import Block, gradient_step, quantize_gradient, qdot
+from policies import Independent, Policy, PRESETS
+from s3req import Block, gradient_step, qdot, quantize_gradient
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -74,12 +74,17 @@ def bench_shape(B, S, H, D, repeats, dtype=jnp.bfloat16):
     w = jr.normal(k[1], (H, D), jnp.float32) / np.sqrt(H)
     g = (jr.normal(k[2], (B, S, D)) * jnp.exp(jr.normal(k[3], (B, S, D)))).astype(dtype)
     key = jr.key(1)
-    full = {n: eqx.filter_jit(lambda x, w, g, key, p=p: _fwd_bwd(p, x, w, g, key)) for n, p in POLICIES.items()}
+    full = {
+        n: eqx.filter_jit(lambda x, w, g, key, p=p: _fwd_bwd(p, x, w, g, key))
+        for n, p in POLICIES.items()
+    }
     step = _time(full, {n: (x, w, g, key) for n in POLICIES}, repeats)
     gq = g.astype(jnp.float32)
     # EC does not change the quantizer: time each distinct quantizer once
     quant_names = [n for n in ("rtne", "sr", "sr-shared", "s3r", "s3r-bcast")]
-    quant = {n: eqx.filter_jit(lambda g, key, p=POLICIES[n]: _quantizer(p, g, key)) for n in quant_names}
+    quant = {
+        n: eqx.filter_jit(lambda g, key, p=POLICIES[n]: _quantizer(p, g, key)) for n in quant_names
+    }
     qtime = _time(quant, {n: (gq, key) for n in quant_names}, repeats)
     return step, qtime
 
@@ -131,7 +136,9 @@ def _markdown(meta, rows) -> str:
     for r in rows:
         t = r["fwd_bwd_s"]
         lines.append(
-            f"| {tuple(r['shape'])} | " + " | ".join(f"{t[n] / t['rtne']:.3f}" for n in names) + " |"
+            f"| {tuple(r['shape'])} | "
+            + " | ".join(f"{t[n] / t['rtne']:.3f}" for n in names)
+            + " |"
         )
     qn = list(rows[0]["quantizer_s"])
     lines += [
@@ -146,8 +153,13 @@ def _markdown(meta, rows) -> str:
         lines.append(
             f"| {tuple(r['shape'])} | " + " | ".join(f"{t[n] / t['rtne']:.2f}" for n in qn) + " |"
         )
-    lines += ["", "## Targets (fwd+bwd ratios)", "", "| ratio | target | " + " | ".join(
-        str(tuple(r["shape"])) for r in rows) + " |", "| --- | --- | " + " | ".join("---" for _ in rows) + " |"]
+    lines += [
+        "",
+        "## Targets (fwd+bwd ratios)",
+        "",
+        "| ratio | target | " + " | ".join(str(tuple(r["shape"])) for r in rows) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in rows) + " |",
+    ]
     for label, num, den, target in TARGETS:
         vals = []
         for r in rows:

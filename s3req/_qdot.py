@@ -320,9 +320,11 @@ def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, residuals, g):
         if ec.dx_token:
             dx = dx - eps[..., None] * rw.astype(_F32)[None, None, :]
         if ec.dx_channel:
+            assert am is not None
             dx = dx - ax.psum(jnp.dot(am, wq[:H].T.astype(_F32)), "d_out")[:, None, :]
     if ec.dw:
         eps, am = means_dw()
+        assert am is not None
         token_term = jnp.einsum("bsh,bs->h", xq[..., :H].astype(_F32), eps)
         # xsum and am are already sums over all tokens: this term sums over examples only.
         channel_term = ax.psum(jnp.dot(xsum.T.astype(_F32), am), "batch")
@@ -418,5 +420,5 @@ def qdot(
         return y if axes is None else axes.psum(y, "d_in")
     lead = x.shape[:-1]
     x3 = x.reshape((1,) * (3 - x.ndim) + x.shape)
-    y = _qdot3(policy, NO_AXES if axes is None else axes, x3, w, key)
+    y: Array = _qdot3(policy, NO_AXES if axes is None else axes, x3, w, key)  # pyright: ignore
     return y.reshape(lead + (w.shape[1],))
