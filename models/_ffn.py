@@ -53,8 +53,9 @@ class FFN(eqx.Module):
         from policies import Policy, Phi2D, DxOnlyEC
 
         d_model, d_ff = PAPER_FFN_SHAPES["W1"]
-        ffn = FFN(d_model, d_ff, Policy(Phi2D(), DxOnlyEC()), key=jr.key(0))
-        y = ffn(jr.normal(jr.key(1), (2, 128, d_model)), key=jr.key(2))
+        init_key, data_key, step_key = jr.split(jr.key(seed := 0), 3)
+        ffn = FFN(d_model, d_ff, Policy(Phi2D(), DxOnlyEC()), key=init_key)
+        y = ffn(jr.normal(data_key, (2, 128, d_model)), key=step_key)
         ```
     """
 

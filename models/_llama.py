@@ -256,9 +256,10 @@ class Llama(eqx.Module):
         from models import Llama, get_config
         from policies import Policy, Phi2D, TwoWayEC
 
-        model = Llama(get_config("tiny"), Policy(Phi2D(), TwoWayEC()), key=jr.key(0))
+        init_key, step_key = jr.split(jr.key(seed := 0))
+        model = Llama(get_config("tiny"), Policy(Phi2D(), TwoWayEC()), key=init_key)
         tokens = jnp.zeros((2, 16), jnp.int32)
-        logits = model(tokens, key=jr.key(1))   # (2, 16, 256) float32
+        logits = model(tokens, key=step_key)   # (2, 16, 256) float32
         ```
     """
 

@@ -39,8 +39,9 @@ class QuantLinear(eqx.Module):
         from policies import Policy, Phi2D, TwoWayEC
         from s3req import QuantLinear
 
-        layer = QuantLinear(64, 128, policy=Policy(Phi2D(), TwoWayEC()), key=jr.key(0))
-        y = layer(jr.normal(jr.key(1), (2, 16, 64)), key=jr.key(2))   # (2, 16, 128)
+        init_key, data_key, step_key = jr.split(jr.key(seed := 0), 3)
+        layer = QuantLinear(64, 128, policy=Policy(Phi2D(), TwoWayEC()), key=init_key)
+        y = layer(jr.normal(data_key, (2, 16, 64)), key=step_key)   # (2, 16, 128)
         ```
     """
 

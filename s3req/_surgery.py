@@ -40,7 +40,7 @@ def quantize(
     !!! Example
 
         ```python
-        mlp = eqx.nn.MLP(8, 4, 32, 2, key=jr.key(0))
+        mlp = eqx.nn.MLP(8, 4, 32, 2, key=jr.key(seed := 0))
         qmlp = s3req.quantize(mlp, Policy(Nearest()))
         ```
     """
