@@ -13,6 +13,7 @@ import os
 import pathlib
 import platform
 import time
+import typing
 
 import equinox as eqx
 import jax
@@ -20,15 +21,38 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
-from policies import Independent, Policy, PRESETS
+from policies import AbstractTopology, Independent, Policy, PRESETS
 from s3req import Block, gradient_step, qdot, quantize_gradient
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@typing.final
+class JaxRandomIndependent(AbstractTopology):
+    """Independent SR drawing its words with `jax.random.bits`, as AQT and Qwix do.
+
+    The same 23-bit thresholds as `Independent()` (bitwise, unsharded), from JAX's own
+    Threefry lowering instead of s3req's pure-jnp one. A benchmark-only topology: the peers'
+    cost of per-element randomness. Unsharded (`Block.whole`) layouts only.
+    """
+
+    stochastic: typing.ClassVar[bool] = True
+
+    def quantizes_once(self) -> bool:
+        return False
+
+    def thresholds(self, key, block, product):
+        assert isinstance(block, Block) and block.shape == block.global_shape
+        words = jax.random.bits(key, block.shape, jnp.uint32)
+        return (words >> jnp.uint32(9)).astype(jnp.int32), 23
+
+
 POLICIES = {
     "bf16": None,
     "rtne": PRESETS["rtne"],
     "sr": PRESETS["sr"],
+    "sr-jax": Policy(JaxRandomIndependent()),
     "sr-shared": Policy(Independent(shared=True)),
     "s3r": PRESETS["s3r"],
     "s3r-ec-dx": PRESETS["s3r-ec-dx"],
@@ -41,6 +65,7 @@ TARGETS = [
     ("S3R-EC dX-only / S3R", "s3r-ec-dx", "s3r", "<= 1.05"),
     ("S3R-EC two-way / S3R", "s3r-ec-2way", "s3r", "<= 1.08"),
     ("Independent SR / S3R", "sr", "s3r", ">= 1.5"),
+    ("Independent SR, jax.random.bits / S3R", "sr-jax", "s3r", ">= 1.5"),
 ]
 
 
@@ -81,7 +106,7 @@ def bench_shape(B, S, H, D, repeats, dtype=jnp.bfloat16):
     step = _time(full, {n: (x, w, g, key) for n in POLICIES}, repeats)
     gq = g.astype(jnp.float32)
     # EC does not change the quantizer: time each distinct quantizer once
-    quant_names = [n for n in ("rtne", "sr", "sr-shared", "s3r", "s3r-bcast")]
+    quant_names = ["rtne", "sr", "sr-jax", "sr-shared", "s3r", "s3r-bcast"]
     quant = {
         n: eqx.filter_jit(lambda g, key, p=POLICIES[n]: _quantizer(p, g, key)) for n in quant_names
     }
@@ -126,7 +151,10 @@ def _markdown(meta, rows) -> str:
         f"load average {meta['load_average_1min']} on a shared 2-core machine, "
         "bf16 activations and gradients, f32 weights). Ratios of times measured side by side in "
         "one process; lower is faster. On CPU the int8 GEMM is not faster than bf16, so these "
-        "ratios measure the randomness and vector work around the GEMMs.",
+        "ratios measure the randomness and vector work around the GEMMs. `sr` is Independent "
+        "SR with s3req's pure-jnp Threefry; `sr-jax` draws the same words with "
+        "`jax.random.bits`, as AQT and Qwix do (the peers' cost of per-element randomness); "
+        "`sr-shared` quantizes once with one threshold tensor.",
         "",
         "## One qdot forward + backward, time relative to INT8 RTNE",
         "",

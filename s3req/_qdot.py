@@ -1,6 +1,7 @@
 """The quantized matmul `qdot` and its custom VJP (DESIGN.md section 3)."""
 
 import functools as ft
+import math
 
 import equinox as eqx
 import jax
@@ -80,33 +81,30 @@ def _forward(x, w, policy: AbstractPolicy, ax: ShardAxes):
     sw = _check_finite(sw, ax, ("d_in", "d_out"), "s3req.qdot: w contains NaN or Inf.")
     xq = round_to_int8(x, sx)
     wq = round_to_int8(w, sw)
+    ec = policy.correction
+    xsum = _example_sums(xq, ax) if ec.dw else None  # (B, H)
+    xq, wq = _augment(xq, wq, ec)
     acc = ax.psum(_int_dot(xq, wq, ((2,), (0,))), "d_in")  # exact int32 partial sums
     y = (acc.astype(_F32) * sx * sw[None]).astype(x.dtype)
-    ec = policy.correction
-    # Small factors for the error correction, from the forward pass (int32, exact).
-    # Sums as int8 GEMVs against ones: XLA then reads the int8 operands instead of
-    # quantizing w a second time into a full-size int32 temporary.
-    xsum = (
-        ax.psum(_int_dot(xq, jnp.ones(xq.shape[:2], jnp.int8), ((1,), (1,)), ((0,), (0,))), "seq")
-        if ec.dw
-        else None
-    )  # (B, H): S * xbar_b
-    rw = (
-        ax.psum(_int_dot(wq, jnp.ones(wq.shape[1:], jnp.int8), ((1,), (0,))), "d_out")
-        if ec.dx_token
-        else None
-    )  # (H,): W 1_D
-    # The error correction needs the token sums and the per-example channel sums of the
-    # gradient codes. They come out of the backward GEMMs themselves: a row of ones under Wq
-    # makes the dX GEMM also return sum_d Q, and one one-hot column per example beside Xq
-    # makes the dW GEMM also return sum_s Q of every example (B / H more work for that GEMM).
-    if _needs_row_sums(ec):
-        wq = jnp.concatenate([wq, jnp.ones((1, wq.shape[1]), jnp.int8)], axis=0)
-    if _needs_col_sums(ec):
-        B, S, _ = xq.shape
-        onehot = jnp.broadcast_to(jnp.eye(B, dtype=jnp.int8)[:, None, :], (B, S, B))
-        xq = jnp.concatenate([xq, onehot], axis=-1)
-    return y, (xq, wq, sx, sw, xsum, rw)
+    return y, (xq, wq, sx, sw, xsum)
+
+
+def _example_sums(xq: Int8[Array, "b s h"], ax: ShardAxes) -> Float[Array, "b h"]:
+    """Per-example token sums of Xq for the dW channel term, exact, as float32.
+
+    Float32 holds every partial sum exactly while `127 * seq < 2**24`, and XLA CPU reduces
+    int8 in float32 without the full-size int32 copy it makes for an int32 sum."""
+    if 127 * xq.shape[1] * ax.size("seq") < 2**24:
+        return ax.psum(jnp.sum(xq.astype(_F32), axis=1), "seq")
+    return ax.psum(jnp.sum(xq, axis=1, dtype=_I32), "seq").astype(_F32)
+
+
+def _extra_rows(ec, batch: int) -> int:
+    """Rows appended under `Wq` (and columns beside `Xq`) for the EC sums: none without EC,
+    one (a ones row) for the token sums, and `batch` more for the per-example channel sums."""
+    if not _needs_row_sums(ec):
+        return 0
+    return 1 + (batch if _needs_col_sums(ec) else 0)
 
 
 def _needs_row_sums(ec) -> bool:
@@ -115,6 +113,61 @@ def _needs_row_sums(ec) -> bool:
 
 def _needs_col_sums(ec) -> bool:
     return ec.dx_channel or ec.dw
+
+
+def _augment(xq, wq, ec):
+    """Append the rows/columns whose GEMM products are the sums the error correction needs.
+
+    `Wq` gets a row of ones, so the dX GEMM `Q Wq^T` also returns `sum_d Q` of every token.
+    If channel sums are needed, `Xq` gets one one-hot column per example, so the dW GEMM
+    `Xq^T Q` also returns `sum_s Q` of every example (B / H more work for that GEMM). The
+    partner rows/columns are zeros, so the forward GEMM, which runs on the augmented operands
+    too (one quantization of each operand serves all three GEMMs), is unchanged.
+    """
+    B, S, _ = xq.shape
+    if not _extra_rows(ec, B):
+        return xq, wq
+    D = wq.shape[1]
+    xcols = [xq, jnp.zeros((B, S, 1), jnp.int8)]
+    wrows = [wq, jnp.ones((1, D), jnp.int8)]
+    if _needs_col_sums(ec):
+        xcols.append(jnp.broadcast_to(jnp.eye(B, dtype=jnp.int8)[:, None, :], (B, S, B)))
+        wrows.append(jnp.zeros((B, D), jnp.int8))
+    return jnp.concatenate(xcols, axis=-1), jnp.concatenate(wrows, axis=0)
+
+
+DIGITS = 3
+"""Signed base-128 digits per float in `_digits_dot` (remainder below 2**-21 of a row's max)."""
+
+
+def _digits_dot(a: Float[Array, "r ..."], m: Int8[Array, "..."], m_contract: tuple) -> Array:
+    """`a . m` over the trailing axes of the float `a` and the axes `m_contract` of the int8
+    `m`, float32 `(r, *rest of m)`, without converting `m` to float.
+
+    Each row of `a` is written as `scale * sum_j digit_j / 128**j` with `DIGITS` int8 digits
+    in [-64, 64] (the remainder is below `2**-21` of the row's largest entry, less than a
+    float32 rounding of a sum of many terms), and the digits run as one small int8 GEMM with
+    exact int32 sums. A row of ones is represented exactly (one digit 64). Past
+    `2**31 / (64 * 127)` contracted terms it falls back to a float32 product.
+    """
+    r, k = a.shape[0], a.shape[1:]
+    if 64 * QMAX * math.prod(k) >= 2**31:  # int32 sums could overflow: float32 instead
+        contract = (tuple(range(1, 1 + len(k))), m_contract)
+        return jax.lax.dot_general(a, m.astype(_F32), (contract, ((), ())))
+    amax = jnp.max(jnp.abs(a.reshape(r, -1)), axis=1)
+    scale = jnp.where(amax == 0, 1.0, amax / 64.0)
+    c = a / scale.reshape((r,) + (1,) * len(k))
+    digits = []
+    for _ in range(DIGITS):
+        d = jnp.round(c)
+        digits.append(d)
+        c = (c - d) * 128.0
+    dig = jnp.stack(digits).astype(jnp.int8).reshape((DIGITS * r,) + k)
+    prod = _int_dot(dig, m, (tuple(range(1, 1 + len(k))), m_contract)).astype(_F32)
+    prod = prod.reshape((DIGITS, r) + prod.shape[1:])
+    weights = 128.0 ** -jnp.arange(DIGITS, dtype=_F32)
+    total = jnp.tensordot(weights, prod, axes=1)
+    return scale.reshape((r,) + (1,) * (total.ndim - 1)) * total
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -252,6 +305,16 @@ def _code_sums(q: Int8[Array, "b s d"]) -> tuple[Array, Array]:
     return rows, cols
 
 
+def _channel_sums(gp: Float[Array, "b s d"]) -> Float[Array, "b s"]:
+    """`jnp.sum(gp, axis=2)` as a mat-vec.
+
+    A dot keeps XLA CPU from fusing this reduction into the rescaling epilogue of the dX GEMM,
+    where a fused reduction needs every broadcast operand materialized at full size. Its
+    float32 accumulation over the channels is as accurate as the reduction's for the channel
+    counts of linear layers (the token sums, over many more terms, stay `jnp.sum`)."""
+    return jnp.einsum("bsd,d->bs", gp, jnp.ones((gp.shape[2],), gp.dtype))
+
+
 def _error_means(qrow, qcol, gp, inv, delta, ax: ShardAxes):
     """Token means `eps` and, if `qcol` is given, centred channel means `a - m` of the error,
     in units of `G'` (integer formats).
@@ -267,7 +330,7 @@ def _error_means(qrow, qcol, gp, inv, delta, ax: ShardAxes):
     """
     _, S, D = gp.shape
     D_all, S_all = D * ax.size("d_out"), S * ax.size("seq")
-    eps = (qrow.astype(_F32) - inv * ax.psum(jnp.sum(gp, axis=2), "d_out")) / D_all
+    eps = (qrow.astype(_F32) - inv * ax.psum(_channel_sums(gp), "d_out")) / D_all
     if qcol is None:
         return delta * eps, None
     a = ax.psum(qcol.astype(_F32) - inv * jnp.sum(gp, axis=1), "seq") / S_all
@@ -276,9 +339,9 @@ def _error_means(qrow, qcol, gp, inv, delta, ax: ShardAxes):
 
 
 def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, residuals, g):
-    (xq, wq, sx, sw, xsum, rw), key, x_like, w_like = residuals
+    (xq, wq, sx, sw, xsum), key, x_like, w_like = residuals
     ec = policy.correction
-    H = wq.shape[0] - (1 if _needs_row_sums(ec) else 0)
+    H = wq.shape[0] - _extra_rows(ec, xq.shape[0])  # the features of w (before augmenting)
     # Fold both scales into the gradient (float32 even for bf16 G).
     gp = sx * g.astype(_F32) * sw[None]
 
@@ -286,10 +349,10 @@ def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, residuals, g):
     # G' (one implementation of the correction below serves every format).
     if isinstance(policy.fmt, IntGrad):
         delta, inv, q_dx, q_dw = gradient_codes(policy, gp, key, ax)
-        dx = ax.psum(_int_dot(q_dx, wq, ((2,), (1,))), "d_out")  # (B, S, H [+ 1])
-        dw = _token_contraction(xq, q_dw)  # (H [+ B], D), this shard's tokens
+        dx = ax.psum(_int_dot(q_dx, wq, ((2,), (1,))), "d_out")  # (B, S, H [+ 1 + B])
+        dw = _token_contraction(xq, q_dw)  # (H [+ 1 + B], D), this shard's tokens
         qrow = dx[..., H] if _needs_row_sums(ec) else None  # sum_d q_dx (all channels)
-        qcol = dw[H:] if _needs_col_sums(ec) else None  # sum_s q_dw (this shard's tokens)
+        qcol = dw[H + 1 :] if _needs_col_sums(ec) else None  # sum_s q_dw (this shard's tokens)
         dx, dw = delta * dx[..., :H].astype(_F32), delta * dw[:H]
 
         def means_dx():
@@ -317,17 +380,23 @@ def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, residuals, g):
     # S3R-EC: subtract the image of the structured error P = a + eps - m.
     if ec.dx_token or ec.dx_channel:
         eps, am = means_dx()
-        if ec.dx_token:
-            dx = dx - eps[..., None] * rw.astype(_F32)[None, None, :]
+        # Wq 1_D and (a - m) Wq^T, from one small int8 GEMM on the digits of [1; a - m].
+        rows = [jnp.ones((1, wq.shape[1]), _F32)] if ec.dx_token else []
         if ec.dx_channel:
             assert am is not None
-            dx = dx - ax.psum(jnp.dot(am, wq[:H].T.astype(_F32)), "d_out")[:, None, :]
+            rows.append(am)
+        prod = ax.psum(_digits_dot(jnp.concatenate(rows), wq, (1,)), "d_out")[:, :H]
+        if ec.dx_token:
+            dx = dx - eps[..., None] * prod[0][None, None, :]
+        if ec.dx_channel:
+            dx = dx - prod[int(ec.dx_token) :][:, None, :]
     if ec.dw:
         eps, am = means_dw()
         assert am is not None
-        token_term = jnp.einsum("bsh,bs->h", xq[..., :H].astype(_F32), eps)
+        # Xq^T eps, from the digits of eps against the int8 Xq.
+        token_term = _digits_dot(eps[None], xq, (0, 1))[0, :H]
         # xsum and am are already sums over all tokens: this term sums over examples only.
-        channel_term = ax.psum(jnp.dot(xsum.T.astype(_F32), am), "batch")
+        channel_term = ax.psum(jnp.dot(xsum.T, am), "batch")
         dw = ax.psum(dw - token_term[:, None], "batch", "seq") - channel_term
     else:
         dw = ax.psum(dw, "batch", "seq")  # w is replicated over the token axes

@@ -26,7 +26,7 @@ from s3req import (
     quantize_gradient,
     round_to_int8,
 )
-from s3req._qdot import _token_contraction, MAX_TERMS
+from s3req._qdot import _digits_dot, _token_contraction, DIGITS, MAX_TERMS
 
 from .helpers import (
     ALL_POLICIES,
@@ -225,8 +225,9 @@ def test_error_correction_is_the_projection(topology, correction, getkey):
 def test_jaxpr_int8_gemms(policy):
     """The three GEMMs take int8 operands into int32; the gradient is quantized once (both
     backward GEMMs read the same int8 tensor) except for Independent(shared=False); the error
-    correction adds only small products (mat-vecs, rank-B updates), never a full GEMM."""
-    B, S, H, D = 2, 8, 16, 32
+    correction adds only small products (int8 digits of the ones row and the channel means
+    against Wq, of the token means against Xq; rank-B updates), never a third full GEMM."""
+    B, S, H, D = 2, 64, 16, 32
     x = jax.ShapeDtypeStruct((B, S, H), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((H, D), jnp.float32)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
@@ -247,9 +248,11 @@ def test_jaxpr_int8_gemms(policy):
         assert [v.aval.dtype for v in e.invars] == [jnp.int8, jnp.int8]
         assert e.outvars[0].aval.dtype == jnp.int32
         assert e.params["preferred_element_type"] == jnp.int32
+    # a few int8 digit rows per example (against Wq) or per token row (against Xq)
+    small = DIGITS * (H + 1 + B) * max((1 + B) * D, B * S)
     for e in eqns:
         if e not in gemms:
-            assert flops(e) <= B * H * D, e  # at least S times less work than a GEMM
+            assert flops(e) <= small, e
     if isinstance(policy.correction, NoEC):
         assert len(eqns) == 3
     fwd, bdx, bdw = gemms
@@ -334,8 +337,38 @@ def test_int32_overflow_chunked(getkey):
     # and through qdot: constant inputs give the float result
     x = jnp.ones((1, n, 2))
     w = jnp.ones((2, 3))
-    _, dw = _grads(Policy(Phi2D()), x, w, jnp.ones((1, n, 3)), getkey())
-    np.testing.assert_allclose(dw, jnp.full((2, 3), float(n)), rtol=1e-6)
+    for policy in (Policy(Phi2D()), Policy(Phi2D(), TwoWayEC())):  # EC: int32 token sums
+        _, dw = _grads(policy, x, w, jnp.ones((1, n, 3)), getkey())
+        np.testing.assert_allclose(dw, jnp.full((2, 3), float(n)), rtol=1e-6)
+
+
+def test_digits_dot_precision(getkey):
+    """The EC products with Wq and Xq run on int8 digits of the float factor: the result is
+    within 2**-21 of each row's largest entry times sum|m| of the float64 product, a row of
+    ones is exact, and past the int32 bound the float fallback gives the same product."""
+    r, D, H = 5, 300, 7
+    # rows over a wide dynamic range, one all-zero row
+    a = jr.normal(getkey(), (r, D)) * 10.0 ** jr.randint(getkey(), (r, 1), -6, 4).astype(
+        jnp.float32
+    )
+    a = jnp.concatenate([a, jnp.zeros((1, D)), jnp.ones((1, D))])
+    m = jr.randint(getkey(), (H, D), -127, 128).astype(jnp.int8)
+    got = np.asarray(_digits_dot(a, m, (1,)), np.float64)
+    a64, m64 = np.asarray(a, np.float64), np.asarray(m, np.float64)
+    want = a64 @ m64.T
+    bound = 2.0**-21 * np.abs(a64).max(axis=1, keepdims=True) * np.abs(m64).sum(axis=1)
+    bound += 2.0**-23 * np.abs(a64) @ np.abs(m64).T  # the float32 sum of three digit products
+    assert np.all(np.abs(got - want) <= bound)
+    np.testing.assert_array_equal(got[-2], 0.0)
+    np.testing.assert_array_equal(got[-1], m64.sum(axis=1))  # Wq 1_D, exact
+    # a contraction over tokens (Xq^T eps), and the float fallback past 2**31 / (64 * 127)
+    for n in (1000, 2**31 // (64 * 127) + 1):
+        eps = jr.normal(getkey(), (1, 1, n))
+        xq = jnp.broadcast_to(jnp.arange(-2, 2, dtype=jnp.int8), (1, n, 4))
+        got = np.asarray(_digits_dot(eps, xq, (0, 1)), np.float64)
+        want = np.einsum("bs,bsh->h", np.asarray(eps[0], np.float64), np.asarray(xq, np.float64))
+        bound = 2.0**-20 * np.abs(np.asarray(eps)).sum() * 2
+        assert np.all(np.abs(got[0] - want) <= bound), (n, got, want)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
