@@ -315,6 +315,25 @@ def _channel_sums(gp: Float[Array, "b s d"]) -> Float[Array, "b s"]:
     return jnp.einsum("bsd,d->bs", gp, jnp.ones((gp.shape[2],), gp.dtype))
 
 
+OUTER_UNROLL = 8
+"""Up to this many examples per shard, the rank-B dW term is written out as a sum of outer
+products, which XLA fuses into the dW rescaling; past it, one small GEMM."""
+
+
+def _outer_sum(u: Float[Array, "b h"], v: Float[Array, "b d"]) -> Float[Array, "h d"]:
+    """`u^T v`, a rank-B update of the weight gradient.
+
+    As a dot with a contraction of B terms XLA CPU writes the whole `(h, d)` product to memory
+    and reads it back in the epilogue; for few examples the unrolled sum of outer products is
+    computed inside the epilogue instead."""
+    if u.shape[0] > OUTER_UNROLL:
+        return jnp.dot(u.T, v)
+    total = u[0][:, None] * v[0][None, :]
+    for b in range(1, u.shape[0]):
+        total = total + u[b][:, None] * v[b][None, :]
+    return total
+
+
 def _error_means(qrow, qcol, gp, inv, delta, ax: ShardAxes):
     """Token means `eps` and, if `qcol` is given, centred channel means `a - m` of the error,
     in units of `G'` (integer formats).
@@ -396,7 +415,7 @@ def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, residuals, g):
         # Xq^T eps, from the digits of eps against the int8 Xq.
         token_term = _digits_dot(eps[None], xq, (0, 1))[0, :H]
         # xsum and am are already sums over all tokens: this term sums over examples only.
-        channel_term = ax.psum(jnp.dot(xsum.T, am), "batch")
+        channel_term = ax.psum(_outer_sum(xsum, am), "batch")
         dw = ax.psum(dw - token_term[:, None], "batch", "seq") - channel_term
     else:
         dw = ax.psum(dw, "batch", "seq")  # w is replicated over the token axes
