@@ -10,7 +10,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._interfaces import AbstractPolicy
-from ._qdot import qdot
+from ._qdot import qdot_t
 from ._sharding import ShardAxes
 
 
@@ -107,7 +107,7 @@ class QuantLinear(eqx.Module):
                 f"QuantLinear expects inputs with last axis {self.weight.shape[1]}, got shape "
                 f"{x.shape}."
             )
-        y = qdot(x, self.weight.T, policy=self.policy, key=key, axes=axes)
+        y = qdot_t(x, self.weight, policy=self.policy, key=key, axes=axes)
         if self.bias is not None:
             y = y + jnp.broadcast_to(self.bias.astype(y.dtype), y.shape)
         return y

@@ -36,7 +36,7 @@ def _int_dot(a: Array, b: Array, contract: tuple, batch: tuple = ((), ())) -> Ar
 
 
 def _token_contraction(xq: Int8[Array, "b s h"], q: Int8[Array, "b s d"]) -> Float[Array, "h d"]:
-    """`Xq^T Q` summed over batch and tokens, without int32 overflow.
+    """`Xq^T Q` summed over batch and tokens, without int32 overflow (either operand order).
 
     Up to `MAX_TERMS` tokens this is one int8 GEMM with int32 accumulation. Beyond it, the
     tokens are split into chunks of `DW_CHUNK`, each chunk's int32 partial is split into a high
@@ -67,8 +67,15 @@ def _check_finite(scale: Array, ax: ShardAxes, roles: tuple, msg: str) -> Array:
     return scale * one
 
 
-def _forward(x, w, policy: AbstractPolicy, ax: ShardAxes):
-    h_all, d_all = w.shape[0] * ax.size("d_in"), w.shape[1] * ax.size("d_out")
+def _in_axis(transposed: bool) -> int:
+    """The axis of the weight array that holds the input features `d_in`: 0 for a weight
+    stored `(d_in, d_out)` (`qdot`), 1 for one stored `(d_out, d_in)` (`QuantLinear`)."""
+    return 1 if transposed else 0
+
+
+def _forward(x, w, policy: AbstractPolicy, ax: ShardAxes, transposed: bool):
+    ia = _in_axis(transposed)
+    h_all, d_all = w.shape[ia] * ax.size("d_in"), w.shape[1 - ia] * ax.size("d_out")
     if max(h_all, d_all) > MAX_TERMS:
         raise ValueError(
             f"s3req.qdot: feature dimensions above {MAX_TERMS} would overflow int32 "
@@ -76,16 +83,17 @@ def _forward(x, w, policy: AbstractPolicy, ax: ShardAxes):
         )
     # Global scales: the per-token max runs over all of d_in, the per-channel max too.
     sx = ax.pmax(absmax_scale(x, axis=-1), "d_in")  # (B, S, 1)
-    sw = ax.pmax(absmax_scale(w, axis=0), "d_in")  # (1, D)
+    sw = ax.pmax(absmax_scale(w, axis=ia), "d_in")  # (1, D) or (D, 1)
     sx = _check_finite(sx, ax, ("batch", "seq", "d_in"), "s3req.qdot: x contains NaN or Inf.")
     sw = _check_finite(sw, ax, ("d_in", "d_out"), "s3req.qdot: w contains NaN or Inf.")
     xq = round_to_int8(x, sx)
     wq = round_to_int8(w, sw)
     ec = policy.correction
     xsum = _example_sums(xq, ax) if ec.dw else None  # (B, H)
-    xq, wq = _augment(xq, wq, ec)
-    acc = ax.psum(_int_dot(xq, wq, ((2,), (0,))), "d_in")  # exact int32 partial sums
-    y = (acc.astype(_F32) * sx * sw[None]).astype(x.dtype)
+    xq, wq = _augment(xq, wq, ec, ia)
+    acc = ax.psum(_int_dot(xq, wq, ((2,), (ia,))), "d_in")  # exact int32 partial sums
+    sw = sw.reshape(-1)  # (D,)
+    y = (acc.astype(_F32) * sx * sw[None, None, :]).astype(x.dtype)
     return y, (xq, wq, sx, sw, xsum)
 
 
@@ -115,7 +123,7 @@ def _needs_col_sums(ec) -> bool:
     return ec.dx_channel or ec.dw
 
 
-def _augment(xq, wq, ec):
+def _augment(xq, wq, ec, ia: int):
     """Append the rows/columns whose GEMM products are the sums the error correction needs.
 
     `Wq` gets a row of ones, so the dX GEMM `Q Wq^T` also returns `sum_d Q` of every token.
@@ -127,13 +135,17 @@ def _augment(xq, wq, ec):
     B, S, _ = xq.shape
     if not _extra_rows(ec, B):
         return xq, wq
-    D = wq.shape[1]
+    D = wq.shape[1 - ia]
+
+    def rows(n, fill):  # n rows along the input-feature axis of the weight
+        return jnp.full((n, D) if ia == 0 else (D, n), fill, jnp.int8)
+
     xcols = [xq, jnp.zeros((B, S, 1), jnp.int8)]
-    wrows = [wq, jnp.ones((1, D), jnp.int8)]
+    wrows = [wq, rows(1, 1)]
     if _needs_col_sums(ec):
         xcols.append(jnp.broadcast_to(jnp.eye(B, dtype=jnp.int8)[:, None, :], (B, S, B)))
-        wrows.append(jnp.zeros((B, D), jnp.int8))
-    return jnp.concatenate(xcols, axis=-1), jnp.concatenate(wrows, axis=0)
+        wrows.append(rows(B, 0))
+    return jnp.concatenate(xcols, axis=-1), jnp.concatenate(wrows, axis=ia)
 
 
 DIGITS = 3
@@ -170,13 +182,13 @@ def _digits_dot(a: Float[Array, "r ..."], m: Int8[Array, "..."], m_contract: tup
     return scale.reshape((r,) + (1,) * (total.ndim - 1)) * total
 
 
-@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _qdot3(policy: AbstractPolicy, ax: ShardAxes, x, w, key):
-    return _forward(x, w, policy, ax)[0]
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _qdot3(policy: AbstractPolicy, ax: ShardAxes, transposed: bool, x, w, key):
+    return _forward(x, w, policy, ax, transposed)[0]
 
 
-def _qdot3_fwd(policy: AbstractPolicy, ax: ShardAxes, x, w, key):
-    y, res = _forward(x, w, policy, ax)
+def _qdot3_fwd(policy: AbstractPolicy, ax: ShardAxes, transposed: bool, x, w, key):
+    y, res = _forward(x, w, policy, ax, transposed)
     # Dtypes travel as zero-size arrays (numpy dtype objects cannot be residuals).
     return y, (res, key, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
@@ -357,19 +369,25 @@ def _error_means(qrow, qcol, gp, inv, delta, ax: ShardAxes):
     return delta * eps, delta * (a - m[:, None])
 
 
-def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, residuals, g):
+def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, transposed: bool, residuals, g):
     (xq, wq, sx, sw, xsum), key, x_like, w_like = residuals
     ec = policy.correction
-    H = wq.shape[0] - _extra_rows(ec, xq.shape[0])  # the features of w (before augmenting)
+    ia = _in_axis(transposed)
+    H = wq.shape[ia] - _extra_rows(ec, xq.shape[0])  # the features of w (before augmenting)
+
     # Fold both scales into the gradient (float32 even for bf16 G).
-    gp = sx * g.astype(_F32) * sw[None]
+    gp = sx * g.astype(_F32) * sw[None, None, :]
 
     # The two GEMMs, and the error means (eps, a - m) of the dX and dW codes, all in units of
     # G' (one implementation of the correction below serves every format).
     if isinstance(policy.fmt, IntGrad):
         delta, inv, q_dx, q_dw = gradient_codes(policy, gp, key, ax)
-        dx = ax.psum(_int_dot(q_dx, wq, ((2,), (1,))), "d_out")  # (B, S, H [+ 1 + B])
-        dw = _token_contraction(xq, q_dw)  # (H [+ 1 + B], D), this shard's tokens
+        dx = ax.psum(_int_dot(q_dx, wq, ((2,), (1 - ia,))), "d_out")  # (B, S, H [+ 1 + B])
+        # dW as (H [+ 1 + B], D) in either weight layout: XLA CPU copies the left operand of
+        # a token contraction into a transposed layout, and an int8 transpose of Xq (tokens x
+        # H) costs less than one of Q (tokens x D) for the wide layers; for a (d_out, d_in)
+        # weight the float result is transposed inside its rescaling pass instead.
+        dw = _token_contraction(xq, q_dw)  # this shard's tokens
         qrow = dx[..., H] if _needs_row_sums(ec) else None  # sum_d q_dx (all channels)
         qcol = dw[H + 1 :] if _needs_col_sums(ec) else None  # sum_s q_dw (this shard's tokens)
         dx, dw = delta * dx[..., :H].astype(_F32), delta * dw[:H]
@@ -387,7 +405,8 @@ def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, residuals, g):
     else:
         deq_dx, deq_dw = _float_gradient(policy, gp, key, ax)
         # No FP8/FP4 GEMM on this hardware: the GEMMs run on the dequantized values.
-        dx = ax.psum(jnp.dot(deq_dx, wq[:H].T.astype(_F32)), "d_out")
+        wf = jax.lax.slice_in_dim(wq, 0, H, axis=ia).astype(_F32)
+        dx = ax.psum(jax.lax.dot_general(deq_dx, wf, (((2,), (1 - ia,)), ((), ()))), "d_out")
         dw = jnp.einsum("bsh,bsd->hd", xq[..., :H].astype(_F32), deq_dw)
 
         def means_dx():
@@ -400,11 +419,11 @@ def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, residuals, g):
     if ec.dx_token or ec.dx_channel:
         eps, am = means_dx()
         # Wq 1_D and (a - m) Wq^T, from one small int8 GEMM on the digits of [1; a - m].
-        rows = [jnp.ones((1, wq.shape[1]), _F32)] if ec.dx_token else []
+        rows = [jnp.ones((1, wq.shape[1 - ia]), _F32)] if ec.dx_token else []
         if ec.dx_channel:
             assert am is not None
             rows.append(am)
-        prod = ax.psum(_digits_dot(jnp.concatenate(rows), wq, (1,)), "d_out")[:, :H]
+        prod = ax.psum(_digits_dot(jnp.concatenate(rows), wq, (1 - ia,)), "d_out")[:, :H]
         if ec.dx_token:
             dx = dx - eps[..., None] * prod[0][None, None, :]
         if ec.dx_channel:
@@ -421,7 +440,9 @@ def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, residuals, g):
         dw = ax.psum(dw, "batch", "seq")  # w is replicated over the token axes
 
     dx = (dx / sx).astype(x_like.dtype)
-    dw = (dw / sw).astype(w_like.dtype)
+    dw = (dw / sw[None, :]).astype(w_like.dtype)
+    if transposed:  # back to the weight's (d_out, d_in) layout, inside the rescaling pass
+        dw = dw.T
     return dx, dw, None
 
 
@@ -431,22 +452,24 @@ _qdot3.defvjp(_qdot3_fwd, _qdot3_bwd)
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def _check(x: Array, w: Array, policy: AbstractPolicy | None, key) -> None:
+def _check(x: Array, w: Array, policy: AbstractPolicy | None, key, transposed: bool) -> None:
+    layout = "(d_out, d_in)" if transposed else "(d_in, d_out)"
+    d_in = w.shape[_in_axis(transposed)] if w.ndim == 2 else None
     for name, arr in (("x", x), ("w", w)):
         if not any(arr.dtype == d for d in _FLOATS):
             raise TypeError(
                 f"s3req.qdot: `{name}` must be float32, bfloat16 or float16, got {arr.dtype}."
             )
     if w.ndim != 2:
-        raise ValueError(f"s3req.qdot: `w` must have shape (d_in, d_out), got {w.shape}.")
+        raise ValueError(f"s3req.qdot: `w` must have shape {layout}, got {w.shape}.")
     if not 1 <= x.ndim <= 3:
         raise ValueError(
             "s3req.qdot: `x` must have shape (batch, seq, d_in), (seq, d_in) or (d_in,), got "
             f"{x.shape}. Fold extra leading axes into batch or seq, or use jax.vmap."
         )
-    if x.shape[-1] != w.shape[0]:
+    if x.shape[-1] != d_in:
         raise ValueError(
-            f"s3req.qdot: x has {x.shape[-1]} input features but w expects {w.shape[0]} "
+            f"s3req.qdot: x has {x.shape[-1]} input features but w expects {d_in} "
             f"(x: {x.shape}, w: {w.shape})."
         )
     if any(n == 0 for n in x.shape + w.shape):
@@ -502,11 +525,33 @@ def qdot(
     Non-finite values in `x`, `w` or the upstream gradient raise an error (under `jax.jit`, an
     `equinox` runtime error).
     """
-    _check(x, w, policy, key)
+    return qdot_t(x, w, policy=policy, key=key, axes=axes, transposed=False)
+
+
+def qdot_t(
+    x: Float[Array, "*batch d_in"],
+    w: Float[Array, "n m"],
+    *,
+    policy: AbstractPolicy | None,
+    key: PRNGKeyArray | None = None,
+    axes: ShardAxes | None = None,
+    transposed: bool = True,
+) -> Float[Array, "*batch d_out"]:
+    """`qdot` for a weight stored `(d_out, d_in)` (as in `equinox.nn.Linear` and
+    [`s3req.QuantLinear`][]) when `transposed=True`: `x @ w.T`, and its weight gradient in the
+    same layout.
+
+    The same computation as `qdot(x, w.T, ...)`, with every reduction, quantization and GEMM
+    reading `w` in its own layout: XLA CPU would otherwise copy the float weight into the
+    transposed layout (or quantize it with strided reads) on every call. `transposed=False` is
+    `qdot` itself.
+    """
+    _check(x, w, policy, key, transposed)
     if policy is None:
-        y = jnp.matmul(x, w.astype(x.dtype))
+        y = jnp.matmul(x, (w.T if transposed else w).astype(x.dtype))
         return y if axes is None else axes.psum(y, "d_in")
     lead = x.shape[:-1]
     x3 = x.reshape((1,) * (3 - x.ndim) + x.shape)
-    y: Array = _qdot3(policy, NO_AXES if axes is None else axes, x3, w, key)  # pyright: ignore
-    return y.reshape(lead + (w.shape[1],))
+    ax = NO_AXES if axes is None else axes
+    y: Array = _qdot3(policy, ax, transposed, x3, w, key)  # pyright: ignore
+    return y.reshape(lead + (w.shape[1 - _in_axis(transposed)],))

@@ -266,14 +266,14 @@ def test_missing_key_and_bad_tokens(getkey):
 def test_projections_get_distinct_keys(getkey, monkeypatch):
     """Every projection of a layer gets its own key (recorded from an eager call)."""
     seen = []
-    qdot = s3req._linear.qdot
+    qdot_t = s3req._linear.qdot_t
 
     def recording_qdot(x, w, *, policy, key=None, **kwargs):
         assert key is not None
         seen.append(tuple(np.asarray(jr.key_data(key)).tolist()))
-        return qdot(x, w, policy=policy, key=key, **kwargs)
+        return qdot_t(x, w, policy=policy, key=key, **kwargs)
 
-    monkeypatch.setattr(s3req._linear, "qdot", recording_qdot)
+    monkeypatch.setattr(s3req._linear, "qdot_t", recording_qdot)
     model = Llama(MICRO, Policy(Phi2D()), key=getkey())
     layer = _stacked_layer(model.layers[0], 0)
     x = jr.normal(getkey(), (2, 8, MICRO.d_model))

@@ -26,7 +26,7 @@ from s3req import (
     quantize_gradient,
     round_to_int8,
 )
-from s3req._qdot import _digits_dot, _token_contraction, DIGITS, MAX_TERMS
+from s3req._qdot import _digits_dot, _token_contraction, DIGITS, MAX_TERMS, qdot_t
 
 from .helpers import (
     ALL_POLICIES,
@@ -68,6 +68,26 @@ def test_exact_when_representable(policy, getkey):
     np.testing.assert_allclose(dx, g @ w.T, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(dw, jnp.einsum("bsh,bsd->hd", x, g), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(qdot(x, w, policy=policy, key=getkey()), x @ w)
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES + [None], ids=policy_id)
+def test_weight_layouts_agree(policy, getkey):
+    """`qdot_t` on a weight stored (d_out, d_in), as QuantLinear holds it, computes exactly
+    what `qdot` computes on the transposed array: output and both gradients, bit for bit."""
+    x = jr.normal(getkey(), (2, 8, 16), jnp.bfloat16)
+    w = jr.normal(getkey(), (16, 32))
+    g = jr.normal(getkey(), (2, 8, 32), jnp.bfloat16)
+    key = getkey()
+    y1, dx1, dw1 = _value_and_grads(lambda x, w: qdot(x, w, policy=policy, key=key), x, w, g)
+    y2, dx2, dw2 = _value_and_grads(lambda x, w: qdot_t(x, w.T, policy=policy, key=key), x, w, g)
+    np.testing.assert_array_equal(y1, y2)
+    np.testing.assert_array_equal(dx1, dx2)
+    np.testing.assert_array_equal(dw1, dw2)
+
+
+def _value_and_grads(f, x, w, g):
+    y, vjp = jax.vjp(jax.jit(f), x, w)
+    return (y, *vjp(g))
 
 
 def test_float_policy_is_plain_matmul(getkey):
