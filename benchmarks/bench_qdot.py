@@ -80,7 +80,7 @@ def _quantizer(policy, g, key):
     return quantize_gradient(policy, y, key, Block.whole(g.shape))
 
 
-def _time(fns: dict, args: dict, repeats: int) -> dict:
+def _time(fns: dict, args: dict, repeats: int, raw: dict | None = None) -> dict:
     for name, f in fns.items():  # compile + warm up
         jax.block_until_ready(f(*args[name]))
         jax.block_until_ready(f(*args[name]))
@@ -90,6 +90,8 @@ def _time(fns: dict, args: dict, repeats: int) -> dict:
             t0 = time.perf_counter()
             jax.block_until_ready(f(*args[name]))
             times[name].append(time.perf_counter() - t0)
+    if raw is not None:  # every repeat's time, in round order
+        raw.update({name: [float(v) for v in t] for name, t in times.items()})
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
@@ -103,7 +105,8 @@ def bench_shape(B, S, H, D, repeats, dtype=jnp.bfloat16):
         n: eqx.filter_jit(lambda x, w, g, key, p=p: _fwd_bwd(p, x, w, g, key))
         for n, p in POLICIES.items()
     }
-    step = _time(full, {n: (x, w, g, key) for n in POLICIES}, repeats)
+    raw = {}
+    step = _time(full, {n: (x, w, g, key) for n in POLICIES}, repeats, raw)
     gq = g.astype(jnp.float32)
     # EC does not change the quantizer: time each distinct quantizer once
     quant_names = ["rtne", "sr", "sr-jax", "sr-shared", "s3r", "s3r-bcast"]
@@ -111,7 +114,7 @@ def bench_shape(B, S, H, D, repeats, dtype=jnp.bfloat16):
         n: eqx.filter_jit(lambda g, key, p=POLICIES[n]: _quantizer(p, g, key)) for n in quant_names
     }
     qtime = _time(quant, {n: (gq, key) for n in quant_names}, repeats)
-    return step, qtime
+    return step, qtime, raw
 
 
 def main():
@@ -123,8 +126,10 @@ def main():
     rows = []
     for spec in args.shapes.split(","):
         B, S, H, D = (int(v) for v in spec.split("x"))
-        step, qtime = bench_shape(B, S, H, D, args.repeats)
-        rows.append({"shape": [B, S, H, D], "fwd_bwd_s": step, "quantizer_s": qtime})
+        step, qtime, raw = bench_shape(B, S, H, D, args.repeats)
+        rows.append(
+            {"shape": [B, S, H, D], "fwd_bwd_s": step, "quantizer_s": qtime, "fwd_bwd_all_s": raw}
+        )
         print(spec, {n: round(t * 1e3, 2) for n, t in step.items()}, flush=True)
     meta = {
         "device": jax.devices()[0].device_kind,
@@ -185,6 +190,11 @@ def _markdown(meta, rows) -> str:
         "",
         "## Targets (fwd+bwd ratios)",
         "",
+        "The ratio of the medians, and in brackets the interquartile range of the per-round "
+        "ratios (numerator and denominator timed in the same round-robin round): how much the "
+        "shared machine moved the ratio during the run. The EC ratios also moved between runs "
+        "of this script on the same code by more than that range.",
+        "",
         "| ratio | target | " + " | ".join(str(tuple(r["shape"])) for r in rows) + " |",
         "| --- | --- | " + " | ".join("---" for _ in rows) + " |",
     ]
@@ -194,7 +204,9 @@ def _markdown(meta, rows) -> str:
             v = r["fwd_bwd_s"][num] / r["fwd_bwd_s"][den]
             bound = float(target.split()[1])
             ok = v <= bound if target.startswith("<=") else v >= bound
-            vals.append(f"{v:.3f} {'met' if ok else 'MISSED'}")
+            per = np.asarray(r["fwd_bwd_all_s"][num]) / np.asarray(r["fwd_bwd_all_s"][den])
+            q1, q3 = np.percentile(per, [25, 75])
+            vals.append(f"{v:.3f} [{q1:.2f}-{q3:.2f}] {'met' if ok else 'MISSED'}")
         lines.append(f"| {label} | {target} | " + " | ".join(vals) + " |")
     return "\n".join(lines) + "\n"
 

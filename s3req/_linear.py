@@ -21,7 +21,9 @@ class QuantLinear(eqx.Module):
     Drop-in for `equinox.nn.Linear`: the same initialisation and the same weight layout
     `(out_features, in_features)`, but it acts on whole `(batch, seq, in_features)` activations
     (so per-token scales, per-token thresholds and the per-example error correction see the
-    token structure) and takes a `key` for the stochastic rounding of its backward pass.
+    token structure) and takes a `key` for the stochastic rounding of its backward pass. The
+    quantized matmul reads the weight in this `(out_features, in_features)` layout directly (it
+    is `qdot(x, weight.T)` without materializing the transpose) and returns its gradient in it.
 
     **Arguments:**
 
