@@ -36,7 +36,7 @@ def _int_dot(a: Array, b: Array, contract: tuple, batch: tuple = ((), ())) -> Ar
 
 
 def _token_contraction(xq: Int8[Array, "b s h"], q: Int8[Array, "b s d"]) -> Float[Array, "h d"]:
-    """`Xq^T Q` summed over batch and tokens, without int32 overflow (either operand order).
+    """`Xq^T Q` summed over batch and tokens, without int32 overflow.
 
     Up to `MAX_TERMS` tokens this is one int8 GEMM with int32 accumulation. Beyond it, the
     tokens are split into chunks of `DW_CHUNK`, each chunk's int32 partial is split into a high
