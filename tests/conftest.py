@@ -4,11 +4,11 @@ import os
 # Eight host CPU devices for the sharding tests (set before JAX starts its backend).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import gc
-
 import jax
 import jax.random as jr
 import pytest
+
+from .helpers import release_executables
 
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -17,15 +17,10 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_executables_per_module():
-    """Free the compiled programs of each test module when it ends.
-
-    XLA CPU keeps every JIT-compiled code section in its own memory mapping for as long as
-    its executable lives, and the compile caches keep them all alive; one process running
-    many modules could otherwise reach the kernel's `vm.max_map_count` (65530) and abort
-    inside LLVM ("Unable to allocate section memory")."""
+    """Free the compiled programs of each test module when it ends (see
+    `helpers.release_executables`), so one process can run many modules."""
     yield
-    jax.clear_caches()
-    gc.collect()
+    release_executables()
 
 
 @pytest.fixture

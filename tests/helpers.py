@@ -1,5 +1,6 @@
 """Shared lists and tools for the test suite (one suite over every policy, as optax does)."""
 
+import gc
 import itertools
 
 import jax
@@ -93,3 +94,14 @@ def exact_problem(key, B=2, S=8, H=16, D=32):
     Gc = codes(k3, (B, S, D), -1)
     G = Gc * 2.0**-4 / (sx * sw[None])
     return X, W, G
+
+
+def release_executables() -> None:
+    """Free every compiled program of this process.
+
+    XLA CPU keeps each JIT-compiled code section in its own memory mapping for as long as its
+    executable lives, and the compile caches keep them all alive. The slow sharded-training
+    tests (16 runs in one process) reached the kernel's limit of 65530 mappings
+    (`vm.max_map_count`) and LLVM aborted ("Unable to allocate section memory")."""
+    jax.clear_caches()
+    gc.collect()

@@ -1,7 +1,5 @@
 """Sharded training: a few steps on a fsdp x tp mesh give the unsharded loss curve."""
 
-import gc
-
 import jax
 import numpy as np
 import pytest
@@ -10,22 +8,18 @@ from policies import PRESETS
 from s3req.train import TokenData, train, TrainConfig
 from s3req.train._sharding import make_mesh, param_shardings, parse_mesh
 
+from .helpers import release_executables
+
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
 
 
 @pytest.fixture(autouse=True)
 def _release_executables():
-    """Free every compiled program after each test.
-
-    Each training run here compiles a few hundred XLA CPU kernels, and the JIT keeps every
-    code section in its own memory mapping until its executable is freed. With the caches
-    holding all of them, the sixteen slow runs of one process reached the kernel's limit of
-    65530 mappings (`vm.max_map_count`) and LLVM aborted ("Unable to allocate section
-    memory") while compiling the last one."""
+    """Free every compiled program after each test: each training run compiles a few
+    hundred XLA CPU kernels (see `helpers.release_executables`)."""
     yield
-    jax.clear_caches()
-    gc.collect()
+    release_executables()
 
 
 _MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64}
