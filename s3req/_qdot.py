@@ -89,7 +89,7 @@ def _forward(x, w, policy: AbstractPolicy, ax: ShardAxes, transposed: bool):
     xq = round_to_int8(x, sx)
     wq = round_to_int8(w, sw)
     ec = policy.correction
-    xsum = _example_sums(xq, ax) if ec.dw else None  # (B, H)
+    xsum = _code_sums(xq, 1, ax, "seq") if ec.dw else None  # (B, H): per-example token sums
     xq, wq = _augment(xq, wq, ec, ia)
     acc = ax.psum(_int_dot(xq, wq, ((2,), (ia,))), "d_in")  # exact int32 partial sums
     sw = sw.reshape(-1)  # (D,)
@@ -97,14 +97,16 @@ def _forward(x, w, policy: AbstractPolicy, ax: ShardAxes, transposed: bool):
     return y, (xq, wq, sx, sw, xsum)
 
 
-def _example_sums(xq: Int8[Array, "b s h"], ax: ShardAxes) -> Float[Array, "b h"]:
-    """Per-example token sums of Xq for the dW channel term, exact, as float32.
+def _code_sums(q: Int8[Array, "..."], axis: int, ax: ShardAxes, *roles) -> Float[Array, "..."]:
+    """Exact sums of int8 codes along `axis`, summed over the shards of `roles`, as float32.
 
-    Float32 holds every partial sum exactly while `127 * seq < 2**24`, and XLA CPU reduces
-    int8 in float32 without the full-size int32 copy it makes for an int32 sum."""
-    if 127 * xq.shape[1] * ax.size("seq") < 2**24:
-        return ax.psum(jnp.sum(xq.astype(_F32), axis=1), "seq")
-    return ax.psum(jnp.sum(xq, axis=1, dtype=_I32), "seq").astype(_F32)
+    Float32 holds every partial sum exactly while `127 * terms < 2**24`, and XLA CPU reduces
+    int8 in float32 without the full-size int32 copy it makes for an int32 sum (or for a
+    mat-vec with a ones vector); longer sums run in int32."""
+    terms = q.shape[axis] * math.prod(ax.size(r) for r in roles)
+    if QMAX * terms < 2**24:
+        return ax.psum(jnp.sum(q.astype(_F32), axis=axis), *roles)
+    return ax.psum(jnp.sum(q, axis=axis, dtype=_I32), *roles).astype(_F32)
 
 
 def _extra_rows(ec, batch: int) -> int:
@@ -309,14 +311,6 @@ def gradient_codes(
     return delta, inv, q_dx, q_dw
 
 
-def _code_sums(q: Int8[Array, "b s d"]) -> tuple[Array, Array]:
-    """Token sums `(B, S)` and per-example channel sums `(B, D)` of int8 codes (int32)."""
-    B, S, D = q.shape
-    rows = _int_dot(q, jnp.ones((D,), jnp.int8), ((2,), (0,)))
-    cols = _int_dot(q, jnp.ones((B, S), jnp.int8), ((1,), (1,)), ((0,), (0,)))
-    return rows, cols
-
-
 def _channel_sums(gp: Float[Array, "b s d"]) -> Float[Array, "b s"]:
     """`jnp.sum(gp, axis=2)` as a mat-vec.
 
@@ -352,7 +346,8 @@ def _error_means(qrow, qcol, gp, inv, delta, ax: ShardAxes):
 
     The error in units of the step is `e = q - y` with `y = G' * inv`. Its sums are taken as
     `sum(q) - inv * sum(G')`: the sums of the int8 codes (`qrow`: over all channels, `qcol`:
-    over this shard's tokens, both exact int32) come out of the backward GEMMs, and the sums
+    over this shard's tokens, both exact) come out of the backward GEMMs (for codes quantized
+    twice, the other codes' sums from `_code_sums`), and the sums
     of `G'` are reductions of the tensor the step size was already computed from, so the
     quantizer is not recomputed and no full-size error tensor is formed. (`y` is clipped to
     [-127, 127] before rounding; only the largest element can be clipped, by a float
@@ -395,11 +390,11 @@ def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, transposed: bool, residual
         def means_dx():
             qcol_dx = qcol
             if ec.dx_channel and q_dx is not q_dw:  # twice quantized: the other codes' sums
-                qcol_dx = _code_sums(q_dx)[1]
+                qcol_dx = _code_sums(q_dx, 1, ax)
             return _error_means(qrow, qcol_dx if ec.dx_channel else None, gp, inv, delta, ax)
 
         def means_dw():
-            qrow_dw = qrow if q_dx is q_dw else ax.psum(_code_sums(q_dw)[0], "d_out")
+            qrow_dw = qrow if q_dx is q_dw else _code_sums(q_dw, 2, ax, "d_out")
             return _error_means(qrow_dw, qcol, gp, inv, delta, ax)
 
     else:
