@@ -5,7 +5,7 @@ import itertools
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Jaxpr
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from policies import (
     DxOnlyEC,
@@ -51,7 +51,7 @@ def iter_eqns(jaxpr: Jaxpr):
         yield eqn
         for v in eqn.params.values():
             for sub in v if isinstance(v, (tuple, list)) else (v,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                if isinstance(sub, ClosedJaxpr):
                     yield from iter_eqns(sub.jaxpr)
                 elif isinstance(sub, Jaxpr):
                     yield from iter_eqns(sub)

@@ -265,8 +265,8 @@ def test_jaxpr_int8_gemms(policy):
     gemms = [e for e in eqns if flops(e) >= B * S * H * D]
     assert len(gemms) == 3
     for e in gemms:
-        assert [v.aval.dtype for v in e.invars] == [jnp.int8, jnp.int8]
-        assert e.outvars[0].aval.dtype == jnp.int32
+        assert [v.aval.dtype for v in e.invars] == [jnp.int8, jnp.int8]  # pyright: ignore
+        assert e.outvars[0].aval.dtype == jnp.int32  # pyright: ignore
         assert e.params["preferred_element_type"] == jnp.int32
     # a few int8 digit rows per example (against Wq) or per token row (against Xq)
     small = DIGITS * (H + 1 + B) * max((1 + B) * D, B * S)
@@ -405,7 +405,7 @@ def test_transforms(dtype, getkey):
     assert ref[0].dtype == dtype and ref[1].dtype == jnp.float32
     for out in (
         jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, key),
-        eqx.filter_jit(eqx.filter_grad(lambda xw, k: loss(*xw, k)))((x, w), key),
+        eqx.filter_jit(eqx.filter_grad(lambda xw, k: loss(xw[0], xw[1], k)))((x, w), key),
         jax.grad(jax.checkpoint(loss), argnums=(0, 1))(x, w, key),
     ):
         for a, b in zip(out, ref):
