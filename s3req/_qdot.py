@@ -312,13 +312,17 @@ def gradient_codes(
 
 
 def _channel_sums(gp: Float[Array, "b s d"]) -> Float[Array, "b s"]:
-    """`jnp.sum(gp, axis=2)` as a mat-vec.
+    """`jnp.sum(gp, axis=2)` as a mat-vec, batched over the examples.
 
     A dot keeps XLA CPU from fusing this reduction into the rescaling epilogue of the dX GEMM,
-    where a fused reduction needs every broadcast operand materialized at full size. Its
-    float32 accumulation over the channels is as accurate as the reduction's for the channel
-    counts of linear layers (the token sums, over many more terms, stay `jnp.sum`)."""
-    return jnp.einsum("bsd,d->bs", gp, jnp.ones((gp.shape[2],), gp.dtype))
+    where a fused reduction needs every broadcast operand materialized at full size. Batched
+    over the example axis, the dot reads the `(b, s, d)` G' that XLA already wrote to memory
+    for `max|G'|`; as one `(b*s, d)` mat-vec (`einsum("bsd,d->bs")`) XLA wrote a second,
+    reshaped copy of G' for it (the gradients are bitwise the same either way). Its float32
+    accumulation over the channels is as accurate as the reduction's for the channel counts
+    of linear layers (the token sums, over many more terms, stay `jnp.sum`)."""
+    B, _, D = gp.shape
+    return jax.lax.dot_general(gp, jnp.ones((B, D), gp.dtype), (((2,), (1,)), ((0,), (0,))))
 
 
 OUTER_UNROLL = 8
