@@ -353,10 +353,10 @@ def _error_means(qrow, qcol, gp, inv, delta, ax: ShardAxes):
     over this shard's tokens, both exact) come out of the backward GEMMs (for codes quantized
     twice, the other codes' sums from `_code_sums`), and the sums of `G'` are reductions of
     the tensor the step size was already computed from, so the quantizer is not recomputed
-    and no full-size error tensor is formed. (`y` is clipped to
-    [-127, 127] before rounding; only the largest element can be clipped, by a float
-    rounding, so the means agree with `error_stats(q, y)` to float precision.) Inside
-    `shard_map` the sums run over the global token and channel axes (`psum`).
+    and no full-size error tensor is formed. (`y` is clipped to [-127, 127] before
+    rounding; only the largest element can be clipped, by a float rounding, so the means
+    agree with `error_stats(q, y)` to float precision.) Inside `shard_map` the sums run over
+    the global token and channel axes (`psum`).
     """
     _, S, D = gp.shape
     D_all, S_all = D * ax.size("d_out"), S * ax.size("seq")
