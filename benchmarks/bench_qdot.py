@@ -2,9 +2,20 @@
 
 All policies are compiled first, then timed round-robin in one process (machines here are
 shared and noisy), and reported as the median of repeats and as ratios against INT8 RTNE and
-against the float (bf16) matmul. Writes `docs/results/qdot_speed.{json,md}`.
+against the float (bf16) matmul, with each program's temporary memory (XLA's compile-time
+estimate) and its minor page faults per call. Writes `docs/results/qdot_speed.{json,md}`.
+
+**Allocators.** XLA CPU allocates each call's temporaries with `malloc` and frees them at
+its end. glibc serves blocks above its mmap threshold (at most 32 MiB) with a fresh `mmap`, so
+a program whose temporaries exceed it page-faults them in again on every call (~1 fault per
+4 KiB), and smaller ones do too after glibc trims its heap. Accelerator runtimes keep freed
+device memory in a pool instead. By default the script therefore runs twice, each run in a
+child process: `warm`, glibc told to keep freed memory (`WARM_ALLOCATOR`; what a device
+allocator does), and `default`, glibc as it comes. The two tables show what the allocator
+adds to each policy's time.
 
     python benchmarks/bench_qdot.py [--shapes 4x256x1024x4096,...] [--repeats 15]
+        [--allocator both|warm|default|current]
 """
 
 import argparse
@@ -12,6 +23,10 @@ import json
 import os
 import pathlib
 import platform
+import resource
+import subprocess
+import sys
+import tempfile
 import time
 import typing
 
@@ -80,19 +95,81 @@ def _quantizer(policy, g, key):
     return quantize_gradient(policy, y, key, Block.whole(g.shape))
 
 
-def _time(fns: dict, args: dict, repeats: int, raw: dict | None = None) -> dict:
+WARM_ALLOCATOR = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
+"""glibc malloc settings that keep freed memory for reuse: no `mmap`ed blocks, no trimming."""
+
+
+def allocator_mode() -> str:
+    """`"warm"` if this process runs with `WARM_ALLOCATOR`, else `"default"`."""
+    return "warm" if all(os.environ.get(k) == v for k, v in WARM_ALLOCATOR.items()) else "default"
+
+
+def allocator_env(mode: str) -> dict:
+    """This process's environment with glibc malloc configured for `mode`."""
+    env = {k: v for k, v in os.environ.items() if k not in WARM_ALLOCATOR}
+    if mode == "warm":
+        env.update(WARM_ALLOCATOR)
+    elif mode != "default":
+        raise ValueError(f"allocator mode must be 'warm' or 'default', got {mode!r}")
+    return env
+
+
+def run_with_allocator(mode: str, script: str) -> None:
+    """Make sure the running script (`script`, its `__file__`) uses the allocator `mode`.
+
+    `"current"` keeps the process as it is. Otherwise, if the mode differs, the script is
+    started again in place (`os.execve`) with the same arguments: glibc reads its settings at
+    start-up. Only a script run from the command line can be restarted."""
+    if mode == "current" or allocator_mode() == mode:
+        return
+    if pathlib.Path(sys.argv[0]).resolve() != pathlib.Path(script).resolve():
+        raise RuntimeError(
+            f"allocator {mode!r} needs a fresh process: run {script} as a script, or pass "
+            "--allocator current"
+        )
+    os.execve(sys.executable, [sys.executable, *sys.argv], allocator_env(mode))
+
+
+def allocator_note(mode: str) -> str:
+    """One sentence for a results page on the allocator `mode` its times were taken under."""
+    if mode == "warm":
+        return (
+            "`warm`, glibc malloc keeping freed memory as a device allocator does (as it comes, "
+            "glibc page-faults temporaries above 32 MiB in again on every call; see the "
+            "[qdot speed](qdot_speed.md) page)"
+        )
+    return "glibc malloc as it comes (it page-faults temporaries above 32 MiB in on every call)"
+
+
+def _time(
+    fns: dict, args: dict, repeats: int, raw: dict | None = None, faults: dict | None = None
+) -> dict:
+    """Median seconds per call of each `fns[name](*args[name])`, compiled first, then timed
+    round-robin. `raw` receives every repeat's time, `faults` the median minor page faults
+    per call (of the whole process, so of XLA's threads too)."""
     for name, f in fns.items():  # compile + warm up
         jax.block_until_ready(f(*args[name]))
         jax.block_until_ready(f(*args[name]))
     times = {name: [] for name in fns}
+    minflt = {name: [] for name in fns}
     for _ in range(repeats):  # round-robin: every policy sees the same machine load
         for name, f in fns.items():
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             jax.block_until_ready(f(*args[name]))
             times[name].append(time.perf_counter() - t0)
+            minflt[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     if raw is not None:  # every repeat's time, in round order
         raw.update({name: [float(v) for v in t] for name, t in times.items()})
+    if faults is not None:
+        faults.update({name: float(np.median(v)) for name, v in minflt.items()})
     return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def temp_bytes(f, *args) -> int:
+    """XLA's compile-time estimate of the temporaries of one call of `jax.jit(f)(*args)`."""
+    stats = jax.jit(f).lower(*args).compile().memory_analysis()
+    return int(stats.temp_size_in_bytes) if stats is not None else -1
 
 
 def bench_shape(B, S, H, D, repeats, dtype=jnp.bfloat16):
@@ -101,12 +178,13 @@ def bench_shape(B, S, H, D, repeats, dtype=jnp.bfloat16):
     w = jr.normal(k[1], (H, D), jnp.float32) / np.sqrt(H)
     g = (jr.normal(k[2], (B, S, D)) * jnp.exp(jr.normal(k[3], (B, S, D)))).astype(dtype)
     key = jr.key(1)
-    full = {
-        n: eqx.filter_jit(lambda x, w, g, key, p=p: _fwd_bwd(p, x, w, g, key))
-        for n, p in POLICIES.items()
+    fwd_bwd = {
+        n: (lambda x, w, g, key, p=p: _fwd_bwd(p, x, w, g, key)) for n, p in POLICIES.items()
     }
-    raw = {}
-    step = _time(full, {n: (x, w, g, key) for n in POLICIES}, repeats, raw)
+    full = {n: eqx.filter_jit(f) for n, f in fwd_bwd.items()}
+    raw, faults = {}, {}
+    step = _time(full, {n: (x, w, g, key) for n in POLICIES}, repeats, raw, faults)
+    temp = {n: temp_bytes(f, x, w, g, key) for n, f in fwd_bwd.items()}
     gq = g.astype(jnp.float32)
     # EC does not change the quantizer: time each distinct quantizer once
     quant_names = ["rtne", "sr", "sr-jax", "sr-shared", "s3r", "s3r-bcast"]
@@ -114,46 +192,100 @@ def bench_shape(B, S, H, D, repeats, dtype=jnp.bfloat16):
         n: eqx.filter_jit(lambda g, key, p=POLICIES[n]: _quantizer(p, g, key)) for n in quant_names
     }
     qtime = _time(quant, {n: (gq, key) for n in quant_names}, repeats)
-    return step, qtime, raw
+    return {
+        "fwd_bwd_s": step,
+        "quantizer_s": qtime,
+        "fwd_bwd_all_s": raw,
+        "minor_faults_per_call": faults,
+        "temp_bytes": temp,
+    }
 
 
-def main():
+def measure(shapes: str, repeats: int) -> dict:
+    """Time every policy at every shape (`"BxSxHxD,..."`) in this process."""
+    rows = []
+    for spec in shapes.split(","):
+        B, S, H, D = (int(v) for v in spec.split("x"))
+        rows.append({"shape": [B, S, H, D], **bench_shape(B, S, H, D, repeats)})
+        t = rows[-1]["fwd_bwd_s"]
+        print(allocator_mode(), spec, {n: round(v * 1e3, 2) for n, v in t.items()}, flush=True)
+    return {
+        "allocator": allocator_mode(),
+        "load_average_1min": round(os.getloadavg()[0], 2),
+        "rows": rows,
+    }
+
+
+def _measure_in_child(mode: str, shapes: str, repeats: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = pathlib.Path(tmp) / "run.json"
+        cmd = [sys.executable, __file__, "--allocator", "current", "--shapes", shapes]
+        cmd += ["--repeats", str(repeats), "--raw", str(raw)]
+        subprocess.run(cmd, env=allocator_env(mode), check=True)
+        run = json.loads(raw.read_text())
+    if run["allocator"] != mode:
+        raise RuntimeError(
+            f"the child process ran with allocator {run['allocator']!r}, not {mode!r}"
+        )
+    return run
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="4x256x1024x4096,4x256x512x2048,8x512x1024x1024")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "qdot_speed"))
-    args = ap.parse_args()
-    rows = []
-    for spec in args.shapes.split(","):
-        B, S, H, D = (int(v) for v in spec.split("x"))
-        step, qtime, raw = bench_shape(B, S, H, D, args.repeats)
-        rows.append(
-            {"shape": [B, S, H, D], "fwd_bwd_s": step, "quantizer_s": qtime, "fwd_bwd_all_s": raw}
-        )
-        print(spec, {n: round(t * 1e3, 2) for n, t in step.items()}, flush=True)
+    ap.add_argument(
+        "--allocator",
+        choices=("both", "warm", "default", "current"),
+        default="both",
+        help="glibc malloc settings: a child process per mode, or this process as it is",
+    )
+    ap.add_argument("--raw", help=argparse.SUPPRESS)  # a child's measurement goes here
+    args = ap.parse_args(argv)
+    if args.allocator == "current":
+        runs = [measure(args.shapes, args.repeats)]
+    else:
+        modes = ("warm", "default") if args.allocator == "both" else (args.allocator,)
+        runs = [_measure_in_child(m, args.shapes, args.repeats) for m in modes]
+    if args.raw:
+        pathlib.Path(args.raw).write_text(json.dumps(runs[0]))
+        return runs[0]
     meta = {
         "device": jax.devices()[0].device_kind,
         "platform": platform.platform(),
         "jax": jax.__version__,
         "repeats": args.repeats,
         "dtype": "bfloat16 x, f32 w",
-        "load_average_1min": round(os.getloadavg()[0], 2),
+        "warm_allocator": WARM_ALLOCATOR,
     }
+    summary = {"meta": meta, "runs": runs}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    out.with_suffix(".md").write_text(_markdown(meta, rows))
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=2))
+    out.with_suffix(".md").write_text(_markdown(meta, runs))
     print(out.with_suffix(".md").read_text())
+    return summary
 
 
-def _markdown(meta, rows) -> str:
-    names = list(rows[0]["fwd_bwd_s"])
+def _table(header: list, rows: list) -> list:
+    return [
+        "| " + " | ".join(header) + " |",
+        "| " + " | ".join("---" for _ in header) + " |",
+        *("| " + " | ".join(str(c) for c in r) + " |" for r in rows),
+    ]
+
+
+def _markdown(meta, runs) -> str:
+    names = list(runs[0]["rows"][0]["fwd_bwd_s"])
+    loads = ", ".join(f"{r['allocator']} {r['load_average_1min']}" for r in runs)
+    warm = " ".join(f"`{k}={v}`" for k, v in meta["warm_allocator"].items())
     lines = [
         "# qdot speed (CPU)",
         "",
         "Generated by `python benchmarks/bench_qdot.py` "
         f"({meta['device']}, jax {meta['jax']}, median of {meta['repeats']} round-robin repeats, "
-        f"load average {meta['load_average_1min']} on a shared 2-core machine, "
+        f"load average {loads} on a shared 2-core machine, "
         "bf16 activations and gradients, f32 weights). Ratios of times measured side by side in "
         "one process; lower is faster. On CPU the int8 GEMM is not faster than bf16, so these "
         "ratios measure the randomness and vector work around the GEMMs. `sr` is Independent "
@@ -161,53 +293,82 @@ def _markdown(meta, rows) -> str:
         "`jax.random.bits`, as AQT and Qwix do (the peers' cost of per-element randomness); "
         "`sr-shared` quantizes once with one threshold tensor.",
         "",
+        "Each allocator mode is one process. XLA CPU `malloc`s a call's temporaries and frees "
+        "them at its end; glibc maps blocks above its mmap threshold (at most 32 MiB) afresh "
+        "and trims its heap, so a program page-faults its temporaries in again on every call "
+        "(one fault per 4 KiB). `warm`: glibc keeps freed memory for reuse "
+        f"({warm}), as an accelerator's pooling allocator does; `default`: glibc as it comes. "
+        "The page faults are the allocator's cost, not the policy's arithmetic; the "
+        "temporaries are the policy's.",
+        "",
         "## One qdot forward + backward, time relative to INT8 RTNE",
         "",
-        "| shape (B, S, H, D) | " + " | ".join(names) + " |",
-        "| --- | " + " | ".join("---" for _ in names) + " |",
     ]
-    for r in rows:
-        t = r["fwd_bwd_s"]
-        lines.append(
-            f"| {tuple(r['shape'])} | "
-            + " | ".join(f"{t[n] / t['rtne']:.3f}" for n in names)
-            + " |"
-        )
-    qn = list(rows[0]["quantizer_s"])
+    lines += _table(
+        ["allocator", "shape (B, S, H, D)", *names],
+        [
+            [run["allocator"], tuple(r["shape"])]
+            + [f"{r['fwd_bwd_s'][n] / r['fwd_bwd_s']['rtne']:.3f}" for n in names]
+            for run in runs
+            for r in run["rows"]
+        ],
+    )
+    lines += [
+        "",
+        "## Temporaries (MiB, XLA's compile-time estimate) and minor page faults per call",
+        "",
+    ]
+    first = runs[0]["rows"]
+    body = [
+        ["temporaries (MiB)", tuple(r["shape"])]
+        + [f"{r['temp_bytes'][n] / 2**20:.1f}" for n in names]
+        for r in first
+    ]
+    body += [
+        [f"page faults, {run['allocator']}", tuple(r["shape"])]
+        + [f"{r['minor_faults_per_call'][n]:.0f}" for n in names]
+        for run in runs
+        for r in run["rows"]
+    ]
+    lines += _table(["", "shape (B, S, H, D)", *names], body)
+    qn = list(first[0]["quantizer_s"])
     lines += [
         "",
         "## The gradient quantizer alone (thresholds + rounding), relative to RTNE",
         "",
-        "| shape (B, S, H, D) | " + " | ".join(qn) + " |",
-        "| --- | " + " | ".join("---" for _ in qn) + " |",
     ]
-    for r in rows:
-        t = r["quantizer_s"]
-        lines.append(
-            f"| {tuple(r['shape'])} | " + " | ".join(f"{t[n] / t['rtne']:.2f}" for n in qn) + " |"
-        )
+    lines += _table(
+        ["allocator", "shape (B, S, H, D)", *qn],
+        [
+            [run["allocator"], tuple(r["shape"])]
+            + [f"{r['quantizer_s'][n] / r['quantizer_s']['rtne']:.2f}" for n in qn]
+            for run in runs
+            for r in run["rows"]
+        ],
+    )
     lines += [
         "",
         "## Targets (fwd+bwd ratios)",
         "",
         "The ratio of the medians, and in brackets the interquartile range of the per-round "
         "ratios (numerator and denominator timed in the same round-robin round): how much the "
-        "shared machine moved the ratio during the run. The EC ratios also moved between runs "
-        "of this script on the same code by more than that range.",
+        "shared machine moved the ratio during the run.",
         "",
-        "| ratio | target | " + " | ".join(str(tuple(r["shape"])) for r in rows) + " |",
-        "| --- | --- | " + " | ".join("---" for _ in rows) + " |",
     ]
+    body = []
     for label, num, den, target in TARGETS:
-        vals = []
-        for r in rows:
-            v = r["fwd_bwd_s"][num] / r["fwd_bwd_s"][den]
-            bound = float(target.split()[1])
-            ok = v <= bound if target.startswith("<=") else v >= bound
-            per = np.asarray(r["fwd_bwd_all_s"][num]) / np.asarray(r["fwd_bwd_all_s"][den])
-            q1, q3 = np.percentile(per, [25, 75])
-            vals.append(f"{v:.3f} [{q1:.2f}-{q3:.2f}] {'met' if ok else 'MISSED'}")
-        lines.append(f"| {label} | {target} | " + " | ".join(vals) + " |")
+        for run in runs:
+            vals = []
+            for r in run["rows"]:
+                v = r["fwd_bwd_s"][num] / r["fwd_bwd_s"][den]
+                bound = float(target.split()[1])
+                ok = v <= bound if target.startswith("<=") else v >= bound
+                per = np.asarray(r["fwd_bwd_all_s"][num]) / np.asarray(r["fwd_bwd_all_s"][den])
+                q1, q3 = np.percentile(per, [25, 75])
+                vals.append(f"{v:.3f} [{q1:.2f}-{q3:.2f}] {'met' if ok else 'MISSED'}")
+            body.append([label, target, run["allocator"], *vals])
+    shapes = [str(tuple(r["shape"])) for r in first]
+    lines += _table(["ratio", "target", "allocator", *shapes], body)
     return "\n".join(lines) + "\n"
 
 

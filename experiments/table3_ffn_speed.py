@@ -24,6 +24,8 @@ fit the machine at W9).
     python experiments/table3_ffn_speed.py --full          # exact W1..W9 (GPU)
     python experiments/table3_ffn_speed.py --smoke --out /tmp/t3   # smoke test
 
+Runs under the `warm` allocator unless `--allocator` says otherwise (see
+`benchmarks/bench_qdot.py`: without it glibc page-faults large temporaries in on every call).
 Writes `table3_ffn_speed[_full].{json,md}` into `--out` (default `docs/results/`).
 """
 
@@ -43,7 +45,7 @@ import jax.random as jr
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_qdot import _time  # noqa: E402  (round-robin timing: compile all, median)
+from bench_qdot import _time, allocator_mode, allocator_note, run_with_allocator  # noqa: E402
 
 import models  # noqa: E402
 from policies import PRESETS  # noqa: E402
@@ -114,7 +116,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--shapes", default=",".join(models.PAPER_FFN_SHAPES))
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    ap.add_argument(
+        "--allocator",
+        choices=("warm", "default", "current"),
+        default="warm",
+        help="glibc malloc settings (see benchmarks/bench_qdot.py); restarts the script",
+    )
     args = ap.parse_args(argv)
+    run_with_allocator(args.allocator, __file__)
     names = args.shapes.split(",")
     if args.smoke:
         names = names[:1]
@@ -153,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         "platform": platform.platform(),
         "jax": jax.__version__,
         "repeats": args.repeats,
+        "allocator": allocator_mode(),
     }
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -178,7 +188,8 @@ def markdown(s: dict) -> str:
         "activations and gradients, float32 weights. Speedups are BF16 time / policy time "
         "(higher is faster); the S3R-EC columns are the extra time over S3R (Phi2D) in %. "
         "Times were measured side by side in one process on a shared machine; "
-        "differences of a few % are within its noise. In brackets: the paper's TPU v5p value.",
+        "differences of a few % are within its noise. In brackets: the paper's TPU v5p value. "
+        f"Allocator: {allocator_note(meta.get('allocator', 'default'))}.",
         "",
     ]
     if meta["mode"] != "full":

@@ -18,6 +18,9 @@ claim: S3R needs the same device memory as INT8 RTNE, S3R-EC at most a little mo
     python experiments/table4_full_step.py                  # ~10-15 min on 2 CPU cores
     python experiments/table4_full_step.py --smoke --out /tmp/t4   # smoke test
 
+The step times run under the `warm` allocator unless `--allocator` says otherwise (see
+`benchmarks/bench_qdot.py`); the memory figures are compile-time estimates either way.
+
 Writes `table4_full_step.{json,md}` into `--out` (default `docs/results/`).
 """
 
@@ -40,7 +43,7 @@ import optax
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_qdot import _time  # noqa: E402  (round-robin timing: compile all, median)
+from bench_qdot import _time, allocator_mode, allocator_note, run_with_allocator  # noqa: E402
 
 import models  # noqa: E402
 from policies import PRESETS  # noqa: E402
@@ -227,7 +230,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seq", type=int, default=4096, help="tokens of the memory runs")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    ap.add_argument(
+        "--allocator",
+        choices=("warm", "default", "current"),
+        default="warm",
+        help="glibc malloc settings (see benchmarks/bench_qdot.py); restarts the script",
+    )
     args = ap.parse_args(argv)
+    run_with_allocator(args.allocator, __file__)
     if args.smoke:
         args.repeats = min(args.repeats, 2)
         sp = speed(SMOKE_SPEED, args.repeats, policies=("bf16", "sr", "s3r"))
@@ -243,6 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
         "platform": platform.platform(),
         "jax": jax.__version__,
         "repeats": args.repeats,
+        "allocator": allocator_mode(),
     }
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -302,7 +313,8 @@ def markdown(s: dict) -> str:
         "do not transfer; the ratios between INT8 policies measure the rounding, "
         "threshold and correction work. The last two columns give the paper's TPU v5p "
         "speedups over BF16 (Llama 3.1-8B / Qwen3-8B) and over Independent SR (Llama 3.1-8B "
-        "/ Qwen3-8B / Qwen3-30B-A3B / DeepSeek-V2-Lite).",
+        "/ Qwen3-8B / Qwen3-30B-A3B / DeepSeek-V2-Lite). "
+        f"Allocator: {allocator_note(s.get('allocator', 'default'))}.",
         "",
     ]
     names = list(s["speed"])

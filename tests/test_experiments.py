@@ -5,7 +5,11 @@ import importlib.util
 import json
 import math
 import pathlib
+import platform
+import subprocess
 import sys
+
+import pytest
 
 
 EXPERIMENTS = pathlib.Path(__file__).resolve().parent.parent / "experiments"
@@ -64,7 +68,9 @@ def test_table2_smoke(tmp_path):
 
 def test_table3_smoke(tmp_path):
     t3 = _load("table3_ffn_speed")
-    summary = t3.main(["--smoke", "--repeats", "1", "--out", str(tmp_path)])
+    summary = t3.main(
+        ["--smoke", "--repeats", "1", "--allocator", "current", "--out", str(tmp_path)]
+    )
     (row,) = summary["rows"]
     assert set(row["median_s"]) == set(t3.POLICIES)
     assert all(t > 0 for t in row["median_s"].values())
@@ -82,7 +88,7 @@ def test_table3_cpu_shapes():
 
 def test_table4_smoke(tmp_path):
     t4 = _load("table4_full_step")
-    summary = t4.main(["--smoke", "--out", str(tmp_path)])
+    summary = t4.main(["--smoke", "--allocator", "current", "--out", str(tmp_path)])
     (speed,) = summary["speed"].values()
     assert set(speed["median_s"]) == {"bf16", "sr", "s3r"}
     mem = summary["memory"]["tiny"]["policies"]
@@ -118,3 +124,75 @@ def test_theory_smoke(tmp_path):
     text = index.main(["--dir", str(tmp_path)])
     assert text.count(index.START) == 1 and "kept" in text
     assert "### Theory" in text and "Table I: not generated yet" in text
+
+
+def _bench_qdot():
+    benchmarks = str(EXPERIMENTS.parent / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    import bench_qdot
+
+    return bench_qdot
+
+
+def test_bench_qdot_smoke(tmp_path):
+    bq = _bench_qdot()
+    out = tmp_path / "qdot_speed"
+    summary = bq.main(
+        ["--shapes", "1x8x64x128", "--repeats", "1", "--allocator", "current"]
+        + ["--out", str(out)]
+    )
+    (run,) = summary["runs"]
+    assert run["allocator"] == bq.allocator_mode()
+    (row,) = run["rows"]
+    for field in ("fwd_bwd_s", "minor_faults_per_call", "temp_bytes"):
+        assert set(row[field]) == set(bq.POLICIES)
+    assert all(t > 0 for t in row["fwd_bwd_s"].values())
+    assert all(b >= 0 for b in row["temp_bytes"].values())
+    text = out.with_suffix(".md").read_text()
+    assert text.startswith("# qdot speed") and "## Targets" in text
+
+
+def test_allocator_modes():
+    bq = _bench_qdot()
+    warm, default = bq.allocator_env("warm"), bq.allocator_env("default")
+    assert all(warm[k] == v for k, v in bq.WARM_ALLOCATOR.items())
+    assert not set(bq.WARM_ALLOCATOR) & set(default)
+    with pytest.raises(ValueError, match="allocator mode"):
+        bq.allocator_env("pooled")
+    other = "default" if bq.allocator_mode() == "warm" else "warm"
+    with pytest.raises(RuntimeError, match="fresh process"):  # never restarts pytest itself
+        bq.run_with_allocator(other, bq.__file__)
+    bq.run_with_allocator("current", bq.__file__)  # no-op
+
+
+_FAULTS = """
+import resource
+import numpy as np
+total = 0
+for i in range(5):
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    a = np.empty(64 * 2**20, np.uint8)
+    a.fill(1)  # touch every page
+    del a
+    if i:
+        total += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+print(total)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc malloc settings")
+def test_warm_allocator_reuses_freed_memory():
+    """The mechanism the benchmarks rely on: as it comes, glibc maps a 64 MiB block afresh
+    on every allocation (page faults each time it is touched); `WARM_ALLOCATOR` reuses it."""
+    bq = _bench_qdot()
+
+    def faults(mode):
+        env = bq.allocator_env(mode)
+        res = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True)
+        assert res.returncode == 0, res.stderr.decode()
+        return int(res.stdout)
+
+    cold, warm = faults("default"), faults("warm")
+    assert cold >= 4 * 32  # at least one fault per 2 MiB huge page, 4 allocations
+    assert warm * 10 < cold
