@@ -109,12 +109,18 @@ def _code_sums(q: Int8[Array, "..."], axis: int, ax: ShardAxes, *roles) -> Float
     return ax.psum(jnp.sum(q, axis=axis, dtype=_I32), *roles).astype(_F32)
 
 
+ROW_ALIGN = 8
+"""The EC rows appended to `Wq` are padded with zero rows to a multiple of this: an odd
+number of input features made every int8 GEMM of the layer ~1% slower on XLA CPU."""
+
+
 def _extra_rows(ec, batch: int) -> int:
     """Rows appended under `Wq` (and columns beside `Xq`) for the EC sums: none without EC,
-    one (a ones row) for the token sums, and `batch` more for the per-example channel sums."""
+    one (a ones row) for the token sums, `batch` more for the per-example channel sums, and
+    zero rows up to a multiple of `ROW_ALIGN`."""
     if not _needs_row_sums(ec):
         return 0
-    return 1 + (batch if _needs_col_sums(ec) else 0)
+    return -(-(1 + (batch if _needs_col_sums(ec) else 0)) // ROW_ALIGN) * ROW_ALIGN
 
 
 def _needs_row_sums(ec) -> bool:
@@ -132,7 +138,8 @@ def _augment(xq, wq, ec, ia: int):
     If channel sums are needed, `Xq` gets one one-hot column per example, so the dW GEMM
     `Xq^T Q` also returns `sum_s Q` of every example (B / H more work for that GEMM). The
     partner rows/columns are zeros, so the forward GEMM, which runs on the augmented operands
-    too (one quantization of each operand serves all three GEMMs), is unchanged.
+    too (one quantization of each operand serves all three GEMMs), is unchanged; so are the
+    zero rows and columns that pad the extra ones to a multiple of `ROW_ALIGN`.
     """
     B, S, _ = xq.shape
     if not _extra_rows(ec, B):
@@ -147,6 +154,10 @@ def _augment(xq, wq, ec, ia: int):
     if _needs_col_sums(ec):
         xcols.append(jnp.broadcast_to(jnp.eye(B, dtype=jnp.int8)[:, None, :], (B, S, B)))
         wrows.append(rows(B, 0))
+    pad = _extra_rows(ec, B) - sum(c.shape[-1] for c in xcols[1:])
+    if pad:
+        xcols.append(jnp.zeros((B, S, pad), jnp.int8))
+        wrows.append(rows(pad, 0))
     return jnp.concatenate(xcols, axis=-1), jnp.concatenate(wrows, axis=ia)
 
 
@@ -311,18 +322,31 @@ def gradient_codes(
     return delta, inv, q_dx, q_dw
 
 
-def _channel_sums(gp: Float[Array, "b s d"]) -> Float[Array, "b s"]:
-    """`jnp.sum(gp, axis=2)` as a mat-vec, batched over the examples.
+DOT_SUM_MAX = 16384
+"""Most terms `_sums` adds with one float32 mat-vec (sequentially, so its rounding error
+grows like the number of terms); longer sums run as a (pairwise) reduction."""
 
-    A dot keeps XLA CPU from fusing this reduction into the rescaling epilogue of the dX GEMM,
-    where a fused reduction needs every broadcast operand materialized at full size. Batched
-    over the example axis, the dot reads the `(b, s, d)` G' that XLA already wrote to memory
-    for `max|G'|`; as one `(b*s, d)` mat-vec (`einsum("bsd,d->bs")`) XLA wrote a second,
-    reshaped copy of G' for it (the gradients are bitwise the same either way). Its float32
-    accumulation over the channels is as accurate as the reduction's for the channel counts
-    of linear layers (the token sums, over many more terms, stay `jnp.sum`)."""
-    B, _, D = gp.shape
-    return jax.lax.dot_general(gp, jnp.ones((B, D), gp.dtype), (((2,), (1,)), ((0,), (0,))))
+
+def _sums(gp: Float[Array, "b s d"], axis: int) -> Float[Array, "b n"]:
+    """`jnp.sum(gp, axis)` over the tokens (`axis=1`) or the channels (`axis=2`) of `G'`, as
+    a mat-vec with a ones vector batched over the examples.
+
+    XLA CPU fuses a reduction into its consumer. For these sums the consumers also read the
+    outputs of the backward GEMMs, so a reduction ran after them and kept the float32 `G'`
+    in memory across both GEMMs (twice S3R's temporary memory for two-way EC at
+    `(4, 256, 1024) @ (1024, 4096)`), or it was fused into the rescaling of dX, where a fused
+    reduction needs its broadcast operands materialized at full size. A dot is not fused into
+    its consumer: it reads the `(b, s, d)` `G'` already written for `max|G'|`, right after
+    that reduction, and `G'` is freed before the GEMMs (batched over the examples: as one
+    `(b*s, d)` mat-vec XLA wrote a second, reshaped copy of `G'` for it). Past `DOT_SUM_MAX` terms the sum is a
+    reduction (more accurate; the memory of a float32 `G'` copy is then held longer)."""
+    B, n = gp.shape[0], gp.shape[axis]
+    if n > DOT_SUM_MAX:
+        return jnp.sum(gp, axis=axis)
+    ones = jnp.ones((B, n), gp.dtype)
+    if axis == 2:
+        return jax.lax.dot_general(gp, ones, (((2,), (1,)), ((0,), (0,))))  # (b, s)
+    return jax.lax.dot_general(ones, gp, (((1,), (1,)), ((0,), (0,))))  # (b, d)
 
 
 OUTER_UNROLL = 8
@@ -360,10 +384,10 @@ def _error_means(qrow, qcol, gp, inv, delta, ax: ShardAxes):
     """
     _, S, D = gp.shape
     D_all, S_all = D * ax.size("d_out"), S * ax.size("seq")
-    eps = (qrow.astype(_F32) - inv * ax.psum(_channel_sums(gp), "d_out")) / D_all
+    eps = (qrow.astype(_F32) - inv * ax.psum(_sums(gp, 2), "d_out")) / D_all
     if qcol is None:
         return delta * eps, None
-    a = ax.psum(qcol.astype(_F32) - inv * jnp.sum(gp, axis=1), "seq") / S_all
+    a = ax.psum(qcol.astype(_F32) - inv * _sums(gp, 1), "seq") / S_all
     m = ax.psum(jnp.sum(eps, axis=1), "seq") / S_all
     return delta * eps, delta * (a - m[:, None])
 
@@ -388,7 +412,8 @@ def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, transposed: bool, residual
         # weight the float result is transposed inside its rescaling pass instead.
         dw = _token_contraction(xq, q_dw)  # this shard's tokens
         qrow = dx[..., H] if _needs_row_sums(ec) else None  # sum_d q_dx (all channels)
-        qcol = dw[H + 1 :] if _needs_col_sums(ec) else None  # sum_s q_dw (this shard's tokens)
+        B = xq.shape[0]
+        qcol = dw[H + 1 : H + 1 + B] if _needs_col_sums(ec) else None  # sum_s q_dw, local
         dx, dw = delta * dx[..., :H].astype(_F32), delta * dw[:H]
 
         def means_dx():
