@@ -337,9 +337,11 @@ def _sums(gp: Float[Array, "b s d"], axis: int) -> Float[Array, "b n"]:
     `(4, 256, 1024) @ (1024, 4096)`), or it was fused into the rescaling of dX, where a fused
     reduction needs its broadcast operands materialized at full size. A dot is not fused into
     its consumer: it reads the `(b, s, d)` `G'` already written for `max|G'|`, right after
-    that reduction, and `G'` is freed before the GEMMs (batched over the examples: as one
-    `(b*s, d)` mat-vec XLA wrote a second, reshaped copy of `G'` for it). Past `DOT_SUM_MAX` terms the sum is a
-    reduction (more accurate; the memory of a float32 `G'` copy is then held longer)."""
+    that reduction, and `G'` is freed before the GEMMs. Batched over the examples, the dot
+    reads that `G'` in place; as one `(b*s, d)` mat-vec XLA wrote a second, reshaped copy of
+    `G'` for it, and it still does for one example per call (the batch axis of size 1 is
+    dropped). Past `DOT_SUM_MAX` terms the sum is a reduction: more accurate, and `G'` is
+    then held in memory longer."""
     B, n = gp.shape[0], gp.shape[axis]
     if n > DOT_SUM_MAX:
         return jnp.sum(gp, axis=axis)

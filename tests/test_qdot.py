@@ -386,6 +386,7 @@ def test_ec_temporary_memory(shape):
             return y, vjp(g)
 
         stats = jax.jit(f).lower(*args).compile().memory_analysis()
+        assert stats is not None
         return stats.temp_size_in_bytes
 
     base = temp(Policy(Phi2D()))
