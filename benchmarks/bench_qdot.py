@@ -8,7 +8,8 @@ estimate) and its minor page faults per call. Writes `docs/results/qdot_speed.{j
 **Allocators.** XLA CPU allocates each call's temporaries with `malloc` and frees them at
 its end. glibc serves blocks above its mmap threshold (at most 32 MiB) with a fresh `mmap`, so
 a program whose temporaries exceed it page-faults them in again on every call (~1 fault per
-4 KiB), and smaller ones do too after glibc trims its heap. Accelerator runtimes keep freed
+4 KiB), and smaller ones do too after glibc trims its heap (or a worker thread's arena gives
+them back). Accelerator runtimes keep freed
 device memory in a pool instead. By default the script therefore runs twice, each run in a
 child process: `warm`, glibc told to keep freed memory (`WARM_ALLOCATOR`; what a device
 allocator does), and `default`, glibc as it comes. The two tables show what the allocator
@@ -95,8 +96,14 @@ def _quantizer(policy, g, key):
     return quantize_gradient(policy, y, key, Block.whole(g.shape))
 
 
-WARM_ALLOCATOR = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
-"""glibc malloc settings that keep freed memory for reuse: no `mmap`ed blocks, no trimming."""
+WARM_ALLOCATOR = {
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": str(2**40),
+    "MALLOC_ARENA_MAX": "1",
+}
+"""glibc malloc settings that keep freed memory for reuse: no `mmap`ed blocks, no trimming,
+and one arena (the per-thread arenas of XLA's worker threads give large blocks back to the
+system when they are freed, whatever the trim threshold)."""
 
 
 def allocator_mode() -> str:

@@ -167,32 +167,43 @@ def test_allocator_modes():
 
 
 _FAULTS = """
-import resource
+import resource, sys, threading
 import numpy as np
-total = 0
-for i in range(5):
-    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    a = np.empty(64 * 2**20, np.uint8)
-    a.fill(1)  # touch every page
-    del a
-    if i:
-        total += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
-print(total)
+def run(out):
+    total = 0
+    for i in range(5):
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        a = np.empty(int(sys.argv[1]) * 2**20, np.uint8)
+        a.fill(1)  # touch every page
+        del a
+        if i:
+            total += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    out.append(total)
+main, worker = [], []
+run(main)
+t = threading.Thread(target=run, args=(worker,))  # an XLA worker thread's arena
+t.start()
+t.join()
+print(main[0], worker[0])
 """
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc malloc settings")
 def test_warm_allocator_reuses_freed_memory():
-    """The mechanism the benchmarks rely on: as it comes, glibc maps a 64 MiB block afresh
-    on every allocation (page faults each time it is touched); `WARM_ALLOCATOR` reuses it."""
+    """The mechanism the benchmarks rely on: as it comes, glibc maps a large block afresh on
+    every allocation, in the main thread and in a worker thread (page faults each time it is
+    touched); `WARM_ALLOCATOR` reuses it."""
     bq = _bench_qdot()
 
-    def faults(mode):
+    def faults(mode, mib):
         env = bq.allocator_env(mode)
-        res = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True)
+        cmd = [sys.executable, "-c", _FAULTS, str(mib)]
+        res = subprocess.run(cmd, env=env, capture_output=True)
         assert res.returncode == 0, res.stderr.decode()
-        return int(res.stdout)
+        return [int(v) for v in res.stdout.split()]
 
-    cold, warm = faults("default"), faults("warm")
-    assert cold >= 4 * 32  # at least one fault per 2 MiB huge page, 4 allocations
-    assert warm * 10 < cold
+    for mib in (48, 96):  # below and above the 64 MiB heaps of glibc's thread arenas
+        cold, warm = faults("default", mib), faults("warm", mib)
+        for c, w in zip(cold, warm):  # the main thread, a worker thread
+            assert c >= mib  # 4 allocations of mib MiB: >= 2 * mib faults of 2 MiB huge pages
+            assert w * 10 < c
