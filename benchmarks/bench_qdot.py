@@ -283,6 +283,19 @@ def _table(header: list, rows: list) -> list:
     ]
 
 
+def _ratio_table(runs, field: str, names: list, spec: str) -> list:
+    """Times of `field` relative to RTNE, a row per allocator mode and shape."""
+    return _table(
+        ["allocator", "shape (B, S, H, D)", *names],
+        [
+            [run["allocator"], tuple(r["shape"])]
+            + [format(r[field][n] / r[field]["rtne"], spec) for n in names]
+            for run in runs
+            for r in run["rows"]
+        ],
+    )
+
+
 def _markdown(meta, runs) -> str:
     names = list(runs[0]["rows"][0]["fwd_bwd_s"])
     loads = ", ".join(f"{r['allocator']} {r['load_average_1min']}" for r in runs)
@@ -302,8 +315,9 @@ def _markdown(meta, runs) -> str:
         "",
         "Each allocator mode is one process. XLA CPU `malloc`s a call's temporaries and frees "
         "them at its end; glibc maps blocks above its mmap threshold (at most 32 MiB) afresh "
-        "and trims its heap, so a program page-faults its temporaries in again on every call "
-        "(one fault per 4 KiB). `warm`: glibc keeps freed memory for reuse "
+        "and trims its heap (and the arenas of worker threads give large blocks back), so a "
+        "program page-faults its temporaries in again on every call (one fault per 4 KiB, or "
+        "per 2 MiB huge page). `warm`: glibc keeps freed memory for reuse "
         f"({warm}), as an accelerator's pooling allocator does; `default`: glibc as it comes. "
         "The page faults are the allocator's cost, not the policy's arithmetic; the "
         "temporaries are the policy's.",
@@ -311,15 +325,7 @@ def _markdown(meta, runs) -> str:
         "## One qdot forward + backward, time relative to INT8 RTNE",
         "",
     ]
-    lines += _table(
-        ["allocator", "shape (B, S, H, D)", *names],
-        [
-            [run["allocator"], tuple(r["shape"])]
-            + [f"{r['fwd_bwd_s'][n] / r['fwd_bwd_s']['rtne']:.3f}" for n in names]
-            for run in runs
-            for r in run["rows"]
-        ],
-    )
+    lines += _ratio_table(runs, "fwd_bwd_s", names, ".3f")
     lines += [
         "",
         "## Temporaries (MiB, XLA's compile-time estimate) and minor page faults per call",
@@ -344,15 +350,7 @@ def _markdown(meta, runs) -> str:
         "## The gradient quantizer alone (thresholds + rounding), relative to RTNE",
         "",
     ]
-    lines += _table(
-        ["allocator", "shape (B, S, H, D)", *qn],
-        [
-            [run["allocator"], tuple(r["shape"])]
-            + [f"{r['quantizer_s'][n] / r['quantizer_s']['rtne']:.2f}" for n in qn]
-            for run in runs
-            for r in run["rows"]
-        ],
-    )
+    lines += _ratio_table(runs, "quantizer_s", qn, ".2f")
     lines += [
         "",
         "## Targets (fwd+bwd ratios)",
