@@ -110,8 +110,8 @@ def _code_sums(q: Int8[Array, "..."], axis: int, ax: ShardAxes, *roles) -> Float
 
 
 ROW_ALIGN = 8
-"""The EC rows appended to `Wq` are padded with zero rows to a multiple of this: an odd
-number of input features made every int8 GEMM of the layer ~1% slower on XLA CPU."""
+"""The EC rows appended to `Wq` are padded with zero rows to a multiple of this: with an odd
+number of input features the layer's int8 GEMMs ran slower on XLA CPU (A/B in one process)."""
 
 
 def _extra_rows(ec, batch: int) -> int:
