@@ -277,7 +277,7 @@ def _float_gradient(policy: AbstractPolicy, gp, key, ax: ShardAxes):
     return unscale(q_dx), unscale(q_dw)
 
 
-def _direct_error_means(e, ax: ShardAxes, *, channel: bool):
+def _direct_error_means(e, ax: ShardAxes, *, channel: bool) -> tuple[Array, Array | None]:
     """`eps` and `a - m` of a dequantized gradient's error `e = deq - G'` (absolute units)."""
     _, S, D = e.shape
     D_all, S_all = D * ax.size("d_out"), S * ax.size("seq")
@@ -322,6 +322,24 @@ def gradient_codes(
     return delta, inv, q_dx, q_dw
 
 
+def _example_view(a: Array) -> Array:
+    """`a` `(b, s, ...)` with its examples as the batch axis of the `_sums` mat-vecs: itself,
+    or for one example of an even number of tokens, the two halves of its tokens `(2, s/2,
+    ...)`. XLA drops a batch axis of size 1, and the mat-vecs then read `G'` in another shape
+    than `max|G'|` does, for which XLA wrote `G'` to memory twice."""
+    B, S = a.shape[:2]
+    if B == 1 and S % 2 == 0:
+        return a.reshape((2, S // 2) + a.shape[2:])
+    return a
+
+
+def _fold_scales(g: Array, sx: Array, sw: Array) -> Array:
+    """`G' = s_x G s_w` in float32, formed in the `_example_view` shape that the sums of `G'`
+    read (bitwise the same values), so that `G'` is written to memory once."""
+    gp = _example_view(sx) * _example_view(g).astype(_F32) * sw[None, None, :]
+    return gp.reshape(g.shape)
+
+
 DOT_SUM_MAX = 16384
 """Most terms `_sums` adds with one float32 mat-vec (sequentially, so its rounding error
 grows like the number of terms); longer sums run as a (pairwise) reduction."""
@@ -338,17 +356,20 @@ def _sums(gp: Float[Array, "b s d"], axis: int) -> Float[Array, "b n"]:
     reduction needs its broadcast operands materialized at full size. A dot is not fused into
     its consumer: it reads the `(b, s, d)` `G'` already written for `max|G'|`, right after
     that reduction, and `G'` is freed before the GEMMs. Batched over the examples, the dot
-    reads that `G'` in place; as one `(b*s, d)` mat-vec XLA wrote a second, reshaped copy of
-    `G'` for it, and it still does for one example per call (the batch axis of size 1 is
-    dropped). Past `DOT_SUM_MAX` terms the sum is a reduction: more accurate, and `G'` is
-    then held in memory longer."""
-    B, n = gp.shape[0], gp.shape[axis]
+    reads that `G'` in place (as one `(b*s, d)` mat-vec XLA wrote a second, reshaped copy of
+    `G'` for it; one example is batched as two halves, see `_example_view`). Past
+    `DOT_SUM_MAX` terms the sum is a reduction: more accurate, and `G'` is then held in
+    memory longer."""
+    B, S, _ = gp.shape
+    n = gp.shape[axis]
     if n > DOT_SUM_MAX:
         return jnp.sum(gp, axis=axis)
-    ones = jnp.ones((B, n), gp.dtype)
-    if axis == 2:
-        return jax.lax.dot_general(gp, ones, (((2,), (1,)), ((0,), (0,))))  # (b, s)
-    return jax.lax.dot_general(ones, gp, (((1,), (1,)), ((0,), (0,))))  # (b, d)
+    v = _example_view(gp)
+    ones = jnp.ones((v.shape[0], v.shape[axis]), gp.dtype)
+    if axis == 2:  # (b, s)
+        return jax.lax.dot_general(v, ones, (((2,), (1,)), ((0,), (0,)))).reshape(B, S)
+    sums = jax.lax.dot_general(ones, v, (((1,), (1,)), ((0,), (0,))))  # (b, d)
+    return jnp.sum(sums, axis=0, keepdims=True) if v.shape[0] != B else sums
 
 
 OUTER_UNROLL = 8
@@ -370,7 +391,7 @@ def _outer_sum(u: Float[Array, "b h"], v: Float[Array, "b d"]) -> Float[Array, "
     return total
 
 
-def _error_means(qrow, qcol, gp, inv, delta, ax: ShardAxes):
+def _error_means(qrow, qcol, gp, inv, delta, ax: ShardAxes) -> tuple[Array, Array | None]:
     """Token means `eps` and, if `qcol` is given, centred channel means `a - m` of the error,
     in units of `G'` (integer formats).
 
@@ -401,7 +422,7 @@ def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, transposed: bool, residual
     H = wq.shape[ia] - _extra_rows(ec, xq.shape[0])  # the features of w (before augmenting)
 
     # Fold both scales into the gradient (float32 even for bf16 G).
-    gp = sx * g.astype(_F32) * sw[None, None, :]
+    gp = _fold_scales(g, sx, sw)
 
     # The two GEMMs, and the error means (eps, a - m) of the dX and dW codes, all in units of
     # G' (one implementation of the correction below serves every format).
