@@ -398,9 +398,9 @@ def _error_means(qrow, qcol, gp, inv, delta, ax: ShardAxes) -> tuple[Array, Arra
     The error in units of the step is `e = q - y` with `y = G' * inv`. Its sums are taken as
     `sum(q) - inv * sum(G')`: the sums of the int8 codes (`qrow`: over all channels, `qcol`:
     over this shard's tokens, both exact) come out of the backward GEMMs (for codes quantized
-    twice, the other codes' sums from `_code_sums`), and the sums of `G'` are reductions of
-    the tensor the step size was already computed from, so the quantizer is not recomputed
-    and no full-size error tensor is formed. (`y` is clipped to [-127, 127] before
+    twice, the other codes' sums from `_code_sums`), and the sums of `G'` (`_sums`) read the
+    tensor the step size was already computed from, so the quantizer is not recomputed and
+    no full-size error tensor is formed. (`y` is clipped to [-127, 127] before
     rounding; only the largest element can be clipped, by a float rounding, so the means
     agree with `error_stats(q, y)` to float precision.) Inside `shard_map` the sums run over
     the global token and channel axes (`psum`).
@@ -428,8 +428,8 @@ def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, transposed: bool, residual
     # G' (one implementation of the correction below serves every format).
     if isinstance(policy.fmt, IntGrad):
         delta, inv, q_dx, q_dw = gradient_codes(policy, gp, key, ax)
-        dx = ax.psum(_int_dot(q_dx, wq, ((2,), (1 - ia,))), "d_out")  # (B, S, H [+ 1 + B])
-        # dW as (H [+ 1 + B], D) in either weight layout: XLA CPU copies the left operand of
+        dx = ax.psum(_int_dot(q_dx, wq, ((2,), (1 - ia,))), "d_out")  # (B, S, H [+ EC rows])
+        # dW as (H [+ EC rows], D) in either weight layout: XLA CPU copies the left operand of
         # a token contraction into a transposed layout, and an int8 transpose of Xq (tokens x
         # H) costs less than one of Q (tokens x D) for the wide layers; for a (d_out, d_in)
         # weight the float result is transposed inside its rescaling pass instead.
