@@ -90,37 +90,44 @@ def _forward(x, w, policy: AbstractPolicy, ax: ShardAxes, transposed: bool):
     wq = round_to_int8(w, sw)
     ec = policy.correction
     xsum = _code_sums(xq, 1, ax, "seq") if ec.dw else None  # (B, H): per-example token sums
-    xq, wq = _augment(xq, wq, ec, ia)
     acc = ax.psum(_int_dot(xq, wq, ((2,), (ia,))), "d_in")  # exact int32 partial sums
     sw = sw.reshape(-1)  # (D,)
     y = (acc.astype(_F32) * sx * sw[None, None, :]).astype(x.dtype)
     return y, (xq, wq, sx, sw, xsum)
 
 
-def _code_sums(q: Int8[Array, "..."], axis: int, ax: ShardAxes, *roles) -> Float[Array, "..."]:
-    """Exact sums of int8 codes along `axis`, summed over the shards of `roles`, as float32.
+SUM_ALIGN = 8
+"""Width of the thin int8 GEMM operands that return the sums of int8 codes: a ones column
+(row) padded with zero columns (rows), and the one-hot example columns appended to `Xq`.
+(With a single ones column XLA CPU rewrites the product as a reduction over a full-size
+int32 copy of the codes; odd widths ran slower in earlier A/B runs.)"""
 
-    Float32 holds every partial sum exactly while `127 * terms < 2**24`, and XLA CPU reduces
-    int8 in float32 without the full-size int32 copy it makes for an int32 sum (or for a
-    mat-vec with a ones vector); longer sums run in int32."""
+
+def _code_sums(q: Int8[Array, "b s n"], axis: int, ax: ShardAxes, *roles) -> Float[Array, "..."]:
+    """Exact sums of int8 codes over the tokens of every example (`axis=1`, `(b, n)`) or over
+    the last axis (`axis=2`, `(b, s)`), summed over the shards of `roles`, as float32.
+
+    A thin int8 GEMM with a ones column (row) padded to `SUM_ALIGN`, exact in int32. As
+    reductions XLA CPU fused these sums into their consumers: the sums of `Xq` into the dW
+    rescaling (for one example), which then read full-size float32 operands written for
+    it; the sums of `Q` into passes that held extra full-size buffers. (A row of ones
+    appended to `Wq`, with the dX GEMM returning `sum_d Q` as an extra output column, made
+    the forward and the dX GEMM slower, A/B in one process, when it took `d_in` past a
+    multiple of 64.)"""
+    B, S, N = q.shape
     terms = q.shape[axis] * math.prod(ax.size(r) for r in roles)
-    if QMAX * terms < 2**24:
-        return ax.psum(jnp.sum(q.astype(_F32), axis=axis), *roles)
-    return ax.psum(jnp.sum(q, axis=axis, dtype=_I32), *roles).astype(_F32)
-
-
-ROW_ALIGN = 8
-"""The EC rows appended to `Wq` are padded with zero rows to a multiple of this: with an odd
-number of input features the layer's int8 GEMMs ran slower on XLA CPU (A/B in one process)."""
-
-
-def _extra_rows(ec, batch: int) -> int:
-    """Rows appended under `Wq` (and columns beside `Xq`) for the EC sums: none without EC,
-    one (a ones row) for the token sums, `batch` more for the per-example channel sums, and
-    zero rows up to a multiple of `ROW_ALIGN`."""
-    if not _needs_row_sums(ec):
-        return 0
-    return -(-(1 + (batch if _needs_col_sums(ec) else 0)) // ROW_ALIGN) * ROW_ALIGN
+    if QMAX * terms >= 2**31:
+        raise ValueError(
+            f"s3req.qdot: the error correction sums {terms} int8 codes per row, which would "
+            "overflow int32; split the sequence into shorter examples."
+        )
+    ones = (jnp.arange(SUM_ALIGN) == 0).astype(jnp.int8)
+    if axis == 2:
+        sums = _int_dot(q, jnp.broadcast_to(ones, (N, SUM_ALIGN)), ((2,), (0,)))[..., 0]
+    else:
+        ones = jnp.broadcast_to(ones[:, None], (B, SUM_ALIGN, S))
+        sums = _int_dot(ones, q, ((2,), (1,)), ((0,), (0,)))[:, 0, :]
+    return ax.psum(sums, *roles).astype(_F32)
 
 
 def _needs_row_sums(ec) -> bool:
@@ -131,34 +138,15 @@ def _needs_col_sums(ec) -> bool:
     return ec.dx_channel or ec.dw
 
 
-def _augment(xq, wq, ec, ia: int):
-    """Append the rows/columns whose GEMM products are the sums the error correction needs.
-
-    `Wq` gets a row of ones, so the dX GEMM `Q Wq^T` also returns `sum_d Q` of every token.
-    If channel sums are needed, `Xq` gets one one-hot column per example, so the dW GEMM
-    `Xq^T Q` also returns `sum_s Q` of every example (B / H more work for that GEMM). The
-    partner rows/columns are zeros, so the forward GEMM, which runs on the augmented operands
-    too (one quantization of each operand serves all three GEMMs), is unchanged; so are the
-    zero rows and columns that pad the extra ones to a multiple of `ROW_ALIGN`.
-    """
+def _with_example_columns(xq: Int8[Array, "b s h"]) -> Int8[Array, "b s _"]:
+    """`Xq` with one one-hot column per example appended (and zero columns up to a multiple
+    of `SUM_ALIGN`), so that the dW GEMM `Xq^T Q` also returns `sum_s Q` of every example as
+    `b` extra rows (this shard's tokens): `n / h` more work in that GEMM, `n` the padded
+    number of examples, instead of another pass over `Q`."""
     B, S, _ = xq.shape
-    if not _extra_rows(ec, B):
-        return xq, wq
-    D = wq.shape[1 - ia]
-
-    def rows(n, fill):  # n rows along the input-feature axis of the weight
-        return jnp.full((n, D) if ia == 0 else (D, n), fill, jnp.int8)
-
-    xcols = [xq, jnp.zeros((B, S, 1), jnp.int8)]
-    wrows = [wq, rows(1, 1)]
-    if _needs_col_sums(ec):
-        xcols.append(jnp.broadcast_to(jnp.eye(B, dtype=jnp.int8)[:, None, :], (B, S, B)))
-        wrows.append(rows(B, 0))
-    pad = _extra_rows(ec, B) - sum(c.shape[-1] for c in xcols[1:])
-    if pad:
-        xcols.append(jnp.zeros((B, S, pad), jnp.int8))
-        wrows.append(rows(pad, 0))
-    return jnp.concatenate(xcols, axis=-1), jnp.concatenate(wrows, axis=ia)
+    n = -(-B // SUM_ALIGN) * SUM_ALIGN
+    onehot = jnp.broadcast_to(jnp.eye(B, n, dtype=jnp.int8)[:, None, :], (B, S, n))
+    return jnp.concatenate([xq, onehot], axis=-1)
 
 
 DIGITS = 3
@@ -419,7 +407,7 @@ def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, transposed: bool, residual
     (xq, wq, sx, sw, xsum), key, x_like, w_like = residuals
     ec = policy.correction
     ia = _in_axis(transposed)
-    H = wq.shape[ia] - _extra_rows(ec, xq.shape[0])  # the features of w (before augmenting)
+    H = wq.shape[ia]
 
     # Fold both scales into the gradient (float32 even for bf16 G).
     gp = _fold_scales(g, sx, sw)
@@ -428,16 +416,16 @@ def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, transposed: bool, residual
     # G' (one implementation of the correction below serves every format).
     if isinstance(policy.fmt, IntGrad):
         delta, inv, q_dx, q_dw = gradient_codes(policy, gp, key, ax)
-        dx = ax.psum(_int_dot(q_dx, wq, ((2,), (1 - ia,))), "d_out")  # (B, S, H [+ EC rows])
-        # dW as (H [+ EC rows], D) in either weight layout: XLA CPU copies the left operand of
-        # a token contraction into a transposed layout, and an int8 transpose of Xq (tokens x
-        # H) costs less than one of Q (tokens x D) for the wide layers; for a (d_out, d_in)
-        # weight the float result is transposed inside its rescaling pass instead.
-        dw = _token_contraction(xq, q_dw)  # this shard's tokens
-        qrow = dx[..., H] if _needs_row_sums(ec) else None  # sum_d q_dx (all channels)
-        B = xq.shape[0]
-        qcol = dw[H + 1 : H + 1 + B] if _needs_col_sums(ec) else None  # sum_s q_dw, local
-        dx, dw = delta * dx[..., :H].astype(_F32), delta * dw[:H]
+        dx = ax.psum(_int_dot(q_dx, wq, ((2,), (1 - ia,))), "d_out")  # (B, S, H)
+        # dW as (H [+ example rows], D) in either weight layout: XLA CPU copies the left
+        # operand of a token contraction into a transposed layout, and an int8 transpose of
+        # Xq (tokens x H) costs less than one of Q (tokens x D) for the wide layers; for a
+        # (d_out, d_in) weight the float result is transposed inside its rescaling pass.
+        col_sums = _needs_col_sums(ec)
+        dw = _token_contraction(_with_example_columns(xq) if col_sums else xq, q_dw)
+        qrow = _code_sums(q_dx, 2, ax, "d_out") if _needs_row_sums(ec) else None  # all channels
+        qcol = dw[H : H + xq.shape[0]] if col_sums else None  # sum_s q_dw, this shard's tokens
+        dx, dw = delta * dx.astype(_F32), delta * dw[:H]
 
         def means_dx():
             qcol_dx = qcol
@@ -452,9 +440,9 @@ def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, transposed: bool, residual
     else:
         deq_dx, deq_dw = _float_gradient(policy, gp, key, ax)
         # No FP8/FP4 GEMM on this hardware: the GEMMs run on the dequantized values.
-        wf = jax.lax.slice_in_dim(wq, 0, H, axis=ia).astype(_F32)
+        wf = wq.astype(_F32)
         dx = ax.psum(jax.lax.dot_general(deq_dx, wf, (((2,), (1 - ia,)), ((), ()))), "d_out")
-        dw = jnp.einsum("bsh,bsd->hd", xq[..., :H].astype(_F32), deq_dw)
+        dw = jnp.einsum("bsh,bsd->hd", xq.astype(_F32), deq_dw)
 
         def means_dx():
             return _direct_error_means(deq_dx - gp, ax, channel=ec.dx_channel)
@@ -470,7 +458,7 @@ def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, transposed: bool, residual
         if ec.dx_channel:
             assert am is not None
             rows.append(am)
-        prod = ax.psum(_digits_dot(jnp.concatenate(rows), wq, (1 - ia,)), "d_out")[:, :H]
+        prod = ax.psum(_digits_dot(jnp.concatenate(rows), wq, (1 - ia,)), "d_out")
         if ec.dx_token:
             dx = dx - eps[..., None] * prod[0][None, None, :]
         if ec.dx_channel:
@@ -479,7 +467,7 @@ def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, transposed: bool, residual
         eps, am = means_dw()
         assert am is not None
         # Xq^T eps, from the digits of eps against the int8 Xq.
-        token_term = _digits_dot(eps[None], xq, (0, 1))[0, :H]
+        token_term = _digits_dot(eps[None], xq, (0, 1))[0]
         # xsum and am are already sums over all tokens: this term sums over examples only.
         channel_term = ax.psum(_outer_sum(xsum, am), "batch")
         dw = ax.psum(dw - token_term[:, None], "batch", "seq") - channel_term

@@ -27,6 +27,7 @@ from s3req import (
     round_to_int8,
 )
 from s3req._qdot import (
+    _code_sums,
     _digits_dot,
     _sums,
     _token_contraction,
@@ -34,8 +35,10 @@ from s3req._qdot import (
     DOT_SUM_MAX,
     MAX_TERMS,
     qdot_t,
-    ROW_ALIGN,
+    SUM_ALIGN,
 )
+from s3req._quantize import QMAX
+from s3req._sharding import NO_AXES
 
 from .helpers import (
     ALL_POLICIES,
@@ -255,8 +258,9 @@ def test_jaxpr_int8_gemms(policy):
     """The three GEMMs take int8 operands into int32; the gradient is quantized once (both
     backward GEMMs read the same int8 tensor) except for Independent(shared=False); the error
     correction adds only small products (int8 digits of the ones row and the channel means
-    against Wq, of the token means against Xq; rank-B updates), never a third full GEMM."""
-    B, S, H, D = 2, 64, 16, 32
+    against Wq, of the token means against Xq; the codes against a few selector columns;
+    rank-B updates), never a third full GEMM."""
+    B, S, H, D = 2, 64, 64, 32
     x = jax.ShapeDtypeStruct((B, S, H), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((H, D), jnp.float32)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
@@ -270,16 +274,17 @@ def test_jaxpr_int8_gemms(policy):
         return np.prod(e.outvars[0].aval.shape) * np.prod([shape[i] for i in contract])
 
     eqns = dot_eqns(jax.grad(f, argnums=(0, 1)), x, w, key)
-    # the GEMMs (with EC they carry a ones row, B one-hot columns and zero padding)
+    # the GEMMs (with EC, Xq carries B one-hot columns and zero padding in the dW GEMM)
     gemms = [e for e in eqns if flops(e) >= B * S * H * D]
     assert len(gemms) == 3
     for e in gemms:
         assert [v.aval.dtype for v in e.invars] == [jnp.int8, jnp.int8]  # pyright: ignore
         assert e.outvars[0].aval.dtype == jnp.int32  # pyright: ignore
         assert e.params["preferred_element_type"] == jnp.int32
-    # a few int8 digit rows per example (against Wq) or per token row (against Xq)
-    extra = -(-(1 + B) // ROW_ALIGN) * ROW_ALIGN  # the EC rows, padded to ROW_ALIGN
-    small = DIGITS * (H + extra) * max((1 + B) * D, B * S)
+    # a few int8 digit rows per example (against Wq) or per token row (against Xq), and the
+    # codes against SUM_ALIGN ones-and-zeros columns (their sums over a token or channel axis)
+    small = max(DIGITS * H * max((1 + B) * D, B * S), B * S * max(H, D) * SUM_ALIGN)
+    assert small <= B * S * H * D / 4
     for e in eqns:
         if e not in gemms:
             assert flops(e) <= small, e
@@ -375,7 +380,7 @@ def test_sums_of_gp(shape, getkey):
     [
         ((4, 64, 256, 1024), (DxOnlyEC(), TwoWayEC())),
         ((4, 128, 256, 2048), (DxOnlyEC(), TwoWayEC())),
-        ((1, 1024, 512, 1024), (DxOnlyEC(),)),
+        ((1, 1024, 512, 1024), (DxOnlyEC(), TwoWayEC())),
     ],
 )
 def test_ec_temporary_memory(shape, corrections):
@@ -383,8 +388,9 @@ def test_ec_temporary_memory(shape, corrections):
     compile-time estimate on this backend): its sums of G' run before the backward GEMMs, so
     G' is freed as in S3R. (When they were reductions fused after the GEMMs, two-way EC held
     G' across them: 8.7 MiB of temporaries against S3R's 4.6 MiB at (4, 128, 256, 2048); with
-    one example XLA wrote G' twice, 8.0 against 5.0 MiB for dX-only at (1, 1024, 512, 1024).
-    Two-way EC with one example still needs more, 7.6 MiB there.)"""
+    one example XLA wrote G' twice, 8.0 against 5.0 MiB for dX-only at (1, 1024, 512, 1024);
+    while the token sums of Xq were a reduction, XLA fused them into the dW rescaling of
+    two-way EC with one example, which then took 7.6 MiB there.)"""
     B, S, H, D = shape
     args = (
         jax.ShapeDtypeStruct((B, S, H), jnp.bfloat16),
@@ -406,6 +412,21 @@ def test_ec_temporary_memory(shape, corrections):
     gp_bytes = B * S * D * 4
     for correction in corrections:
         assert temp(Policy(Phi2D(), correction)) - base < gp_bytes / 2, correction
+
+
+def test_code_sums(getkey):
+    """The sums of int8 codes (thin int8 GEMMs) are exact over either axis, for every batch
+    size; more terms than int32 holds is a clear error, raised while tracing."""
+    for shape in ((1, 300, 40), (3, 17, 9)):
+        q = jr.randint(getkey(), shape, -127, 128).astype(jnp.int8)
+        q64 = np.asarray(q, np.int64)
+        for axis in (1, 2):
+            got = _code_sums(q, axis, NO_AXES)
+            assert got.dtype == jnp.float32
+            np.testing.assert_array_equal(np.asarray(got), q64.sum(axis=axis))
+    too_many = jax.ShapeDtypeStruct((1, 2**31 // QMAX + 1, 1), jnp.int8)
+    with pytest.raises(ValueError, match="overflow int32"):
+        jax.eval_shape(lambda q: _code_sums(q, 1, NO_AXES), too_many)
 
 
 def test_int32_overflow_chunked(getkey):
