@@ -384,10 +384,10 @@ def _error_means(qrow, qcol, gp, inv, delta, ax: ShardAxes) -> tuple[Array, Arra
     in units of `G'` (integer formats).
 
     The error in units of the step is `e = q - y` with `y = G' * inv`. Its sums are taken as
-    `sum(q) - inv * sum(G')`: the sums of the int8 codes (`qrow`: over all channels, `qcol`:
-    over this shard's tokens, both exact) come out of the backward GEMMs (for codes quantized
-    twice, the other codes' sums from `_code_sums`), and the sums of `G'` (`_sums`) read the
-    tensor the step size was already computed from, so the quantizer is not recomputed and
+    `sum(q) - inv * sum(G')`: the sums of the int8 codes (`qrow`: over all channels, from
+    `_code_sums`; `qcol`: over this shard's tokens, from the dW GEMM, or `_code_sums` for the
+    other codes of a gradient quantized twice; all exact), and the sums of `G'` (`_sums`) read
+    the tensor the step size was already computed from, so the quantizer is not recomputed and
     no full-size error tensor is formed. (`y` is clipped to [-127, 127] before
     rounding; only the largest element can be clipped, by a float rounding, so the means
     agree with `error_stats(q, y)` to float precision.) Inside `shard_map` the sums run over
