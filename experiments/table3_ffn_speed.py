@@ -227,25 +227,41 @@ def markdown(s: dict) -> str:
 
 def _reading(rows: list[dict]) -> str:
     r = lambda row, a, b: row["median_s"][a] / row["median_s"][b]
+    pct = lambda row, p: 100 * (r(row, p, "s3r") - 1)
     s3r_rtne = [r(x, "s3r", "rtne") for x in rows]
     sr_s3r = [r(x, "sr", "s3r") for x in rows]
     ec = ", ".join(
-        f"{x['name']} ({x['tokens']} tokens): {100 * (r(x, 's3r-ec-2way', 's3r') - 1):+.0f}% / "
-        f"{100 * (r(x, 's3r-ec-dx', 's3r') - 1):+.0f}%"
+        f"{x['name']} ({x['tokens']} tokens): {pct(x, 's3r-ec-2way'):+.0f}% / "
+        f"{pct(x, 's3r-ec-dx'):+.0f}%"
         for x in rows
     )
-    return (
+    text = (
         f"Reading (generated): S3R takes {min(s3r_rtne):.3f}-{max(s3r_rtne):.3f} times the "
         f"time of INT8 RTNE (paper: within 1% from W2 on, 4.3% slower at W1); Independent SR "
         f"takes {min(sr_s3r):.2f}-{max(sr_s3r):.2f} times the time of S3R (paper: "
         "1.09-1.86): on this CPU the per-element Threefry words of the FFN gradients cost "
         "little next to the GEMMs. The S3R-EC overheads over S3R (two-way / dX-only) are "
-        f"{ec}. They are smallest where a call has the most tokens (W1, whose H is also the "
-        "smallest, so the two are confounded here; a first run with 64 tokens per call gave "
-        "+100-190%), which suggests that part of the corrections' cost does not scale with "
-        "the tokens (weight-sized work per call). The paper's +0.7% to +4.8% from W3 on "
-        "(many more tokens per chip) is not reproduced at these CPU sizes."
+        f"{ec}."
     )
+    most = max(rows, key=lambda x: x["tokens"])
+    if all(pct(most, p) <= min(pct(x, p) for x in rows) for p in ("s3r-ec-2way", "s3r-ec-dx")):
+        text += (
+            f" Both are smallest where a call has the most tokens ({most['name']}; H differs "
+            "too, so the two are confounded here; a first run with 64 tokens per call gave "
+            "+100-190%): part of the corrections' cost is weight-sized work per call, which "
+            "does not scale with the tokens."
+        )
+    late = [x for x in rows if x["name"] not in ("W1", "W2")]
+    if late:
+        span = lambda v: f"{min(v):+.1f}% to {max(v):+.1f}%"
+        paper = [PAPER[x["name"]] for x in late]
+        text += (
+            f" From W3 on they are {span([pct(x, 's3r-ec-2way') for x in late])} (two-way) "
+            f"and {span([pct(x, 's3r-ec-dx') for x in late])} (dX-only) here, against the "
+            f"paper's {span([p[3] for p in paper])} and {span([p[4] for p in paper])} with "
+            "many more tokens per chip."
+        )
+    return text
 
 
 if __name__ == "__main__":
