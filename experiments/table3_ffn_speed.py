@@ -221,11 +221,25 @@ def markdown(s: dict) -> str:
             f"{ov('s3r-ec-2way', p[3])} | {ov('s3r-ec-dx', p[4])} | "
             f"{t['s3r'] / t['rtne']:.3f} | {t['sr'] / t['s3r']:.2f} |"
         )
-    lines += ["", _reading(s["rows"])]
+    on_cpu = meta["device"].lower() == "cpu"
+    if not on_cpu:  # absolute times only from an accelerator
+        lines += [
+            "",
+            f"Median times on {meta['device']} (ms):",
+            "",
+            "| shape | " + " | ".join(POLICIES) + " |",
+            "| --- |" + " ---: |" * len(POLICIES),
+        ]
+        for r in s["rows"]:
+            t = r["median_s"]
+            lines.append(
+                f"| {r['name']} | " + " | ".join(f"{1e3 * t[p]:.3f}" for p in POLICIES) + " |"
+            )
+    lines += ["", _reading(s["rows"], "this CPU" if on_cpu else meta["device"])]
     return "\n".join(lines) + "\n"
 
 
-def _reading(rows: list[dict]) -> str:
+def _reading(rows: list[dict], device: str) -> str:
     r = lambda row, a, b: row["median_s"][a] / row["median_s"][b]
     pct = lambda row, p: 100 * (r(row, p, "s3r") - 1)
     s3r_rtne = [r(x, "s3r", "rtne") for x in rows]
@@ -239,12 +253,16 @@ def _reading(rows: list[dict]) -> str:
         f"Reading (generated): S3R takes {min(s3r_rtne):.3f}-{max(s3r_rtne):.3f} times the "
         f"time of INT8 RTNE (paper: within 1% from W2 on, 4.3% slower at W1); Independent SR "
         f"takes {min(sr_s3r):.2f}-{max(sr_s3r):.2f} times the time of S3R (paper: "
-        "1.09-1.86): on this CPU the per-element Threefry words of the FFN gradients cost "
-        "little next to the GEMMs. The S3R-EC overheads over S3R (two-way / dX-only) are "
+        f"1.09-1.86): on {device} the per-element Threefry words of the FFN gradients cost "
+        + ("little" if max(sr_s3r) < 1.2 else "much")
+        + " next to the GEMMs. The S3R-EC overheads over S3R (two-way / dX-only) are "
         f"{ec}."
     )
     most = max(rows, key=lambda x: x["tokens"])
-    if all(pct(most, p) <= min(pct(x, p) for x in rows) for p in ("s3r-ec-2way", "s3r-ec-dx")):
+    several = len({x["tokens"] for x in rows}) > 1
+    if several and all(
+        pct(most, p) <= min(pct(x, p) for x in rows) for p in ("s3r-ec-2way", "s3r-ec-dx")
+    ):
         text += (
             f" Both are smallest where a call has the most tokens ({most['name']}; H differs "
             "too, so the two are confounded here; a first run with 64 tokens per call gave "
