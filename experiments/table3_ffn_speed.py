@@ -235,11 +235,12 @@ def markdown(s: dict) -> str:
             lines.append(
                 f"| {r['name']} | " + " | ".join(f"{1e3 * t[p]:.3f}" for p in POLICIES) + " |"
             )
-    lines += ["", _reading(s["rows"], "this CPU" if on_cpu else meta["device"])]
+    lines += ["", _reading(s["rows"], None if on_cpu else meta["device"])]
     return "\n".join(lines) + "\n"
 
 
-def _reading(rows: list[dict], device: str) -> str:
+def _reading(rows: list[dict], accelerator: str | None) -> str:
+    """The generated reading of the table; `accelerator` names the device, `None` on CPU."""
     r = lambda row, a, b: row["median_s"][a] / row["median_s"][b]
     pct = lambda row, p: 100 * (r(row, p, "s3r") - 1)
     s3r_rtne = [r(x, "s3r", "rtne") for x in rows]
@@ -253,7 +254,8 @@ def _reading(rows: list[dict], device: str) -> str:
         f"Reading (generated): S3R takes {min(s3r_rtne):.3f}-{max(s3r_rtne):.3f} times the "
         f"time of INT8 RTNE (paper: within 1% from W2 on, 4.3% slower at W1); Independent SR "
         f"takes {min(sr_s3r):.2f}-{max(sr_s3r):.2f} times the time of S3R (paper: "
-        f"1.09-1.86): on {device} the per-element Threefry words of the FFN gradients cost "
+        f"1.09-1.86): on {accelerator or 'this CPU'} the per-element Threefry words of the "
+        "FFN gradients cost "
         + ("little" if max(sr_s3r) < 1.2 else "much")
         + " next to the GEMMs. The S3R-EC overheads over S3R (two-way / dX-only) are "
         f"{ec}."
@@ -276,8 +278,8 @@ def _reading(rows: list[dict], device: str) -> str:
         text += (
             f" From W3 on they are {span([pct(x, 's3r-ec-2way') for x in late])} (two-way) "
             f"and {span([pct(x, 's3r-ec-dx') for x in late])} (dX-only) here, against the "
-            f"paper's {span([p[3] for p in paper])} and {span([p[4] for p in paper])} with "
-            "many more tokens per chip."
+            f"paper's {span([p[3] for p in paper])} and {span([p[4] for p in paper])}"
+            + (" with many more tokens per chip." if accelerator is None else ".")
         )
     return text
 

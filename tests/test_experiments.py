@@ -75,6 +75,11 @@ def test_table3_smoke(tmp_path):
     assert set(row["median_s"]) == set(t3.POLICIES)
     assert all(t > 0 for t in row["median_s"].values())
     assert json.loads((tmp_path / "table3_ffn_speed.json").read_text())["meta"]["mode"] == "smoke"
+    # absolute times only on an accelerator, and the reading names it
+    assert "Median times" not in (tmp_path / "table3_ffn_speed.md").read_text()
+    gpu = dict(summary, meta=dict(summary["meta"], device="NVIDIA H200"))
+    text = t3.markdown(gpu)
+    assert "Median times on NVIDIA H200 (ms)" in text and "this CPU" not in text
 
 
 def test_table3_cpu_shapes():
