@@ -20,10 +20,8 @@ status 1 if a layer GEMM of an INT8 policy is not int8 x int8 -> int32.
 
 import argparse
 import json
-import math
 import pathlib
 import platform
-import re
 import sys
 
 import jax
@@ -31,100 +29,15 @@ import jax.numpy as jnp
 import jax.random as jr
 from bench_qdot import _fwd_bwd, POLICIES
 
+from s3req.tpu import Gemm, parse_gemms
+
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHECKED = ("rtne", "sr", "s3r", "s3r-ec-dx", "s3r-ec-2way", "s3r-bcast")
 """The policies whose three layer GEMMs must be int8 (the float `bf16` layer is listed only)."""
 
-_TYPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
-_OPERAND = re.compile(r"(?:([a-z]+[0-9]*)\[([0-9,]*)\](?:\{[^}]*\})?\s+)?(%[\w.\-]+)")
 
-
-def _split_type(text: str) -> tuple[str, str]:
-    """`(type, rest)` of an instruction's right-hand side; the type may be a tuple."""
-    if text.startswith("("):
-        depth = 0
-        for i, c in enumerate(text):
-            depth += {"(": 1, ")": -1}.get(c, 0)
-            if depth == 0:
-                return text[: i + 1], text[i + 1 :].lstrip()
-    head, _, rest = text.partition(" ")
-    return head, rest
-
-
-def _first_array(type_text: str) -> tuple[str, tuple[int, ...]]:
-    m = _TYPE.search(type_text)
-    if m is None:
-        return "?", ()
-    return m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)
-
-
-def _call(rest: str) -> tuple[str, str, str]:
-    """`(op, operands, attributes)` of `op(operands), attributes`."""
-    op, _, tail = rest.partition("(")
-    depth = 1
-    for i, c in enumerate(tail):
-        depth += {"(": 1, ")": -1}.get(c, 0)
-        if depth == 0:
-            return op.strip(), tail[:i], tail[i + 1 :]
-    return op.strip(), tail, ""
-
-
-def _contracting(attrs: str) -> list[int]:
-    m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", attrs)
-    if m is None:  # a cuBLAS custom call keeps its dimension numbers in backend_config
-        m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', attrs)
-    if m is None:
-        return []
-    return [int(d) for d in re.findall(r"\d+", m.group(1))]
-
-
-def parse_gemms(hlo: str) -> list[dict]:
-    """Every GEMM of an HLO module's text: `dot`s (also inside fusions), `convolution`s and
-    custom calls to a GEMM library (cuBLAS, cuBLASLt). Each as a dict with `op`, `result`
-    (dtype of the result, the first element of a tuple result), `operands` (their dtypes),
-    `shape` (of the result) and `macs` (multiply-adds, `None` where the contraction is not
-    known)."""
-    gemms = []
-    types: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for line in hlo.splitlines():
-        m = re.match(r"\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*(.*)$", line)
-        if m is None:
-            if line.rstrip().endswith("{"):  # a new computation: names are local to it
-                types = {}
-            continue
-        name, rhs = m.groups()
-        type_text, rest = _split_type(rhs)
-        types[name] = _first_array(type_text)
-        op, operands, attrs = _call(rest)
-        target = re.search(r'custom_call_target="([^"]*)"', attrs)
-        library = target.group(1) if op == "custom-call" and target else ""
-        if op not in ("dot", "convolution") and not re.search("gemm|matmul", library):
-            continue
-        ins = []
-        for dtype, dims, ref in _OPERAND.findall(operands):
-            if dtype:
-                ins.append((dtype, tuple(int(d) for d in dims.split(",") if d)))
-            else:
-                ins.append(types.get(ref, ("?", ())))
-        dtype, shape = types[name]
-        contract = _contracting(attrs)
-        macs = None
-        if op != "convolution" and contract and ins and ins[0][1]:
-            macs = math.prod(shape) * math.prod(ins[0][1][d] for d in contract)
-        gemms.append(
-            {
-                "op": f"custom-call {library}" if library else op,
-                "result": dtype,
-                "operands": [t for t, _ in ins[:2]],
-                "shape": list(shape),
-                "macs": macs,
-            }
-        )
-    return gemms
-
-
-def program_gemms(policy, B: int, S: int, H: int, D: int) -> list[dict]:
+def program_gemms(policy, B: int, S: int, H: int, D: int) -> list[Gemm]:
     """The GEMMs of one compiled qdot forward + backward (bf16 activations and gradient,
     float32 weights), traced from shapes only: nothing is allocated."""
     args = (
@@ -134,16 +47,12 @@ def program_gemms(policy, B: int, S: int, H: int, D: int) -> list[dict]:
         jax.ShapeDtypeStruct((), jr.key(0).dtype),
     )
     hlo = jax.jit(lambda x, w, g, k: _fwd_bwd(policy, x, w, g, k)).lower(*args).compile()
-    return parse_gemms(hlo.as_text())
+    return parse_gemms(hlo.as_text() or "")
 
 
-def layer_gemms(gemms: list[dict], B: int, S: int, H: int, D: int) -> list[dict]:
+def layer_gemms(gemms: list[Gemm], B: int, S: int, H: int, D: int) -> list[Gemm]:
     """The GEMMs at least as large as the layer's `B S H D` multiply-adds."""
-    return [g for g in gemms if g["macs"] is not None and g["macs"] >= B * S * H * D]
-
-
-def _signature(g: dict) -> str:
-    return " x ".join(g["operands"]) + f" -> {g['result']}"
+    return [g for g in gemms if g.macs is not None and g.macs >= B * S * H * D]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -161,17 +70,17 @@ def main(argv: list[str] | None = None) -> dict:
             gemms = program_gemms(policy, B, S, H, D)
             big = layer_gemms(gemms, B, S, H, D)
             small = [g for g in gemms if g not in big]
-            int8 = len(big) == 3 and all(_signature(g) == "s8 x s8 -> s32" for g in big)
+            int8 = len(big) == 3 and all(g.signature == "s8 x s8 -> s32" for g in big)
             if name in CHECKED and not int8:
                 ok = False
             rows.append(
                 {
                     "shape": [B, S, H, D],
                     "policy": name,
-                    "layer_gemms": [_signature(g) for g in big],
-                    "ops": sorted({g["op"] for g in big}),
-                    "small_gemms": [_signature(g) for g in small],
-                    "small_macs": sum(g["macs"] or 0 for g in small) / (B * S * H * D),
+                    "layer_gemms": [g.signature for g in big],
+                    "ops": sorted({g.op for g in big}),
+                    "small_gemms": [g.signature for g in small],
+                    "small_macs": sum(g.macs or 0 for g in small) / (B * S * H * D),
                     "int8": int8,
                 }
             )

@@ -12,6 +12,7 @@ import pytest
 import models
 import policies
 import s3req
+import s3req.tpu
 import s3req.train
 
 
@@ -22,7 +23,9 @@ def _api_text() -> str:
     return "\n".join(p.read_text() for p in (ROOT / "docs" / "api").glob("*.md"))
 
 
-@pytest.mark.parametrize("pkg", [s3req, policies, models, s3req.train], ids=lambda p: p.__name__)
+@pytest.mark.parametrize(
+    "pkg", [s3req, policies, models, s3req.train, s3req.tpu], ids=lambda p: p.__name__
+)
 def test_every_public_name_has_an_api_entry(pkg):
     text = _api_text()
     documented = set(re.findall(r"^:::\s+([\w.]+)", text, flags=re.M))

@@ -1,0 +1,249 @@
+"""`s3req.tpu`: the HLO reader (no libtpu needed) and TPU v5p compiles (skipped without libtpu)."""
+
+import importlib.util
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+import s3req.tpu
+from policies import PRESETS
+from s3req import qdot
+from s3req.tpu import compile_for_tpu, parse_gemms, tpu_mesh
+from s3req.tpu._hlo import program_structure
+
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason='libtpu is not installed (pip install "s3req[tpu]"): no TPU compiles',
+)
+
+# One layer at a small but realistic shape: 4 chips x 2 x 1024 tokens, H=512, D=1024.
+B, S, H, D = 8, 1024, 512, 1024
+
+
+def test_parse_gemms_library_calls_and_upcasts():
+    """GPU programs call cuBLAS (a custom call with a tuple result and its dimension numbers
+    in backend_config) or run a dot inside a fusion; a GEMM on upcast operands is reported
+    as such."""
+    hlo = "\n".join(
+        [
+            "%triton_gemm (p0: s8[64,32], p1: s8[32,16]) -> s32[64,16] {",
+            "  %p0 = s8[64,32]{1,0} parameter(0)",
+            "  %p1 = s8[32,16]{1,0} parameter(1)",
+            "  ROOT %dot.1 = s32[64,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, "
+            "rhs_contracting_dims={0}",
+            "}",
+            "ENTRY %main (a: s8[128,256], b: s8[256,512]) -> f32[128,512] {",
+            "  %a = s8[128,256]{1,0} parameter(0)",
+            "  %b = s8[256,512]{1,0} parameter(1)",
+            "  %custom-call.3 = (s32[128,512]{1,0}, s8[4194304]{0}) custom-call(%a, %b), "
+            'custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":'
+            '{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],'
+            '"rhs_contracting_dimensions":["0"]}}}',
+            "  %convert.1 = f32[128,256]{1,0} convert(%a)",
+            "  %convert.2 = f32[256,512]{1,0} convert(%b)",
+            "  ROOT %custom-call.4 = f32[128,512]{1,0} custom-call(f32[128,256]{1,0} %convert.1, "
+            'f32[256,512]{1,0} %convert.2), custom_call_target="__cublas$lt$matmul", '
+            'backend_config={"lhs_contracting_dimensions":["1"]}',
+            "}",
+        ]
+    )
+    gemms = parse_gemms(hlo)
+    assert [g.signature for g in gemms] == [
+        "s8 x s8 -> s32",
+        "s8 x s8 -> s32",
+        "f32 x f32 -> f32",
+    ]
+    assert [g.macs for g in gemms] == [64 * 16 * 32, 128 * 512 * 256, 128 * 512 * 256]
+    assert gemms[1].op == "custom-call __cublas$gemm"
+    assert gemms[0].operand_shapes == ((64, 32), (32, 16))
+
+
+# A TPU-style module: an int8 GEMM written as a convolution inside an output fusion, random
+# words that stay inside a loop fusion, one u32 buffer written between two kernels.
+_TPU_HLO = "\n".join(
+    [
+        "%fused_dw (p0: s8[4,64,32], p1: s8[4,64,16]) -> s32[32,16] {",
+        "  %p0 = s8[4,64,32]{2,1,0} parameter(0)",
+        "  %p1 = s8[4,64,16]{2,1,0} parameter(1)",
+        "  %conv = s32[32,16,1]{1,0,2} convolution(%p0, %p1), window={size=4}, "
+        'dim_labels=0fb_0io->bf0, metadata={op_name="jit(f)/transpose(jvp())/dot_general"}',
+        "  ROOT %b = s32[32,16]{1,0} bitcast(%conv)",
+        "}",
+        "%fused_q (p0: bf16[4,64,16], p1: u32[4,64]) -> s8[4,64,16] {",
+        "  %p0 = bf16[4,64,16]{2,1,0} parameter(0)",
+        "  %p1 = u32[4,64]{1,0} parameter(1)",
+        "  %bits = u32[4,64,16]{2,1,0} broadcast(%p1), dimensions={0,1}",
+        "  %x = u32[4,64,16]{2,1,0} xor(%bits, %bits)",
+        "  %c = f32[4,64,16]{2,1,0} convert(%p0)",
+        "  ROOT %q = s8[4,64,16]{2,1,0} convert(%c)",
+        "}",
+        "%max (a: f32[], b: f32[]) -> f32[] {",
+        "  %a = f32[] parameter(0)",
+        "  %b = f32[] parameter(1)",
+        "  ROOT %m = f32[] maximum(%a, %b)",
+        "}",
+        "%fused_max (p0: bf16[4,64,16]) -> f32[] {",
+        "  %p0 = bf16[4,64,16]{2,1,0} parameter(0)",
+        "  %c = f32[4,64,16]{2,1,0} convert(%p0)",
+        "  %z = f32[] constant(0)",
+        "  ROOT %r = f32[] reduce(%c, %z), dimensions={0,1,2}, to_apply=%max",
+        "}",
+        "ENTRY %main (g: bf16[4,64,16], x: s8[4,64,32], k: u32[2]) -> s32[32,16] {",
+        "  %g = bf16[4,64,16]{2,1,0} parameter(0)",
+        "  %x = s8[4,64,32]{2,1,0} parameter(1)",
+        "  %k = u32[2]{0} parameter(2)",
+        "  %words = u32[4,64]{1,0} fusion(%k), kind=kLoop, calls=%fused_max, "
+        'metadata={op_name="jit(f)/transpose(jvp())/threefry"}',
+        "  %mx = f32[] fusion(%g), kind=kLoop, calls=%fused_max, "
+        'metadata={op_name="jit(f)/transpose(jvp())/reduce_max"}',
+        "  %q = s8[4,64,16]{2,1,0} fusion(%g, %words), kind=kLoop, calls=%fused_q, "
+        'metadata={op_name="jit(f)/transpose(jvp())/convert"}',
+        "  ROOT %dw = s32[32,16]{1,0} fusion(%x, %q), kind=kOutput, calls=%fused_dw, "
+        'metadata={op_name="jit(f)/transpose(jvp())/dot_general"}',
+        "}",
+    ]
+)
+
+
+def test_program_structure_reads_a_tpu_module():
+    """Convolution GEMMs with their multiply-adds; buffers only outside fusions; vector ops
+    per element of results (reductions: of inputs), data movement not counted."""
+    s = program_structure(_TPU_HLO)
+    assert [(g.signature, g.macs, g.backward) for g in s.gemms] == [
+        ("s8 x s8 -> s32", 32 * 16 * 64 * 4, True)
+    ]
+    assert s.largest_u32 is not None
+    assert (s.largest_u32.name, s.largest_u32.shape) == ("%words", (4, 64))
+    assert s.largest_u32.nbytes == 4 * 4 * 64
+    assert s.fusions == 4
+    n = 4 * 64 * 16
+    # %words and %mx: a convert and a reduce over n elements each; %q: xor and two converts.
+    assert program_structure(_TPU_HLO).backward_vector_ops == 2 * (n + n) + 3 * n
+
+
+def test_missing_libtpu_names_the_fix(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a)
+    )
+    with pytest.raises(ImportError, match=r"s3req\[tpu\]"):
+        tpu_mesh()
+
+
+def test_not_imported_by_s3req():
+    import subprocess
+    import sys
+
+    code = "import sys, s3req; print('s3req.tpu' in sys.modules, 'libtpu' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def _layer(name):
+    """Compile one qdot forward + backward under preset `name` for v5p 2x2x1, batch-sharded."""
+    policy = PRESETS[name]
+    mesh = tpu_mesh()
+    batch = NamedSharding(mesh, PartitionSpec("data"))
+    x = jax.ShapeDtypeStruct((B, S, H), jnp.bfloat16, sharding=batch)
+    w = jax.ShapeDtypeStruct((H, D), jnp.float32)
+    g = jax.ShapeDtypeStruct((B, S, D), jnp.bfloat16, sharding=batch)
+    key = jax.ShapeDtypeStruct((), jr.key(0).dtype)
+
+    def fwd_bwd(x, w, g, key):
+        y, vjp = jax.vjp(lambda x, w: qdot(x, w, policy=policy, key=key), x, w)
+        return y, vjp(g)
+
+    return compile_for_tpu(fwd_bwd, x, w, g, key, mesh=mesh, upstream=[g])
+
+
+@pytest.fixture(scope="module")
+def layers():
+    return {name: _layer(name) for name in ("rtne", "s3r", "s3r-bcast", "sr")}
+
+
+def _full_size(prog) -> bool:
+    """Whether the program writes a u32 buffer with at least one word per gradient element."""
+    n = B * S * D // 4  # per chip
+    return prog.largest_u32 is not None and prog.largest_u32.elements >= n
+
+
+@needs_libtpu
+def test_v5p_layer_gemms_are_int8(layers):
+    """The three layer GEMMs (forward, dX, dW) of every INT8 policy read s8 x s8 into s32."""
+    layer_macs = B * S * H * D // 4  # per chip
+    for name, prog in layers.items():
+        assert prog.device_kind.startswith("TPU v5"), prog.device_kind
+        big = [gm for gm in prog.gemms if gm.macs is not None and gm.macs >= layer_macs]
+        assert [gm.signature for gm in big] == ["s8 x s8 -> s32"] * 3, name
+        assert sum(gm.backward for gm in big) == 2, name
+
+
+@needs_libtpu
+def test_v5p_s3r_memory_equals_rtne(layers):
+    """S3R needs the temporaries of RTNE; Independent SR, which quantizes G twice, needs more
+    than the tolerance of that check (so it can fail)."""
+    rtne, s3r = layers["rtne"].memory, layers["s3r"].memory
+    tolerance = rtne.temporaries * 0.01 + 2**16
+    assert s3r.temporaries <= rtne.temporaries + tolerance
+    assert s3r.outputs == rtne.outputs
+    assert abs(s3r.arguments - rtne.arguments) <= 1024  # the key (RTNE's is unused)
+    assert layers["sr"].memory.temporaries > rtne.temporaries + tolerance
+
+
+@needs_libtpu
+def test_v5p_shared_thresholds_are_not_materialized(layers):
+    """Phi2D and PhiBcast write no gradient-sized u32 buffer (their words stay in the
+    quantizer fusion); a program that does write one is detected."""
+    for name in ("s3r", "s3r-bcast", "sr"):
+        assert not _full_size(layers[name]), (name, layers[name].largest_u32)
+    mesh = tpu_mesh()
+    g = jax.ShapeDtypeStruct(
+        (B, S, D), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec("data"))
+    )
+    key = jax.ShapeDtypeStruct((), jr.key(0).dtype)
+    control = compile_for_tpu(lambda g, k: (g, jr.bits(k, g.shape, jnp.uint32)), g, key, mesh=mesh)
+    assert _full_size(control), control.largest_u32
+
+
+@needs_libtpu
+def test_v5p_vector_ops(layers):
+    """Per-element Threefry costs far more vector work than one word per four tokens."""
+    ops = {n: p.vector_ops_per_upstream_element for n, p in layers.items()}
+    assert all(v is not None and v > 0 for v in ops.values()), ops
+    assert ops["s3r"] - ops["rtne"] < 20  # paper: -2 to +6 per element
+    assert ops["sr"] - ops["rtne"] > 100  # paper: 120-133 per element
+    assert layers["s3r"].cost_model.flops > 0
+    summary = layers["s3r"].summary()
+    assert "hlo" not in summary and summary["memory"]["total"] == layers["s3r"].memory.total
+
+
+@needs_libtpu
+def test_bad_mesh_and_inputs():
+    with pytest.raises(ValueError, match="multiply to 4"):
+        tpu_mesh({"data": 3})
+    with pytest.raises(RuntimeError, match="topology"):
+        tpu_mesh(topology="v5p:1x1x1")
+    cpu = NamedSharding(jax.sharding.Mesh(jax.devices()[:1], ("a",)), PartitionSpec())
+    x = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=cpu)
+    with pytest.raises(ValueError, match="non-TPU"):
+        compile_for_tpu(lambda x: x, x)
+    assert s3req.tpu.DEFAULT_TOPOLOGY == "v5p:2x2x1"
+
+
+@needs_libtpu
+def test_guide_example_runs():
+    """The Python blocks of the guide run top to bottom, with JAX's default promotion."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "docs" / "guides" / "tpu-compile.md"
+    blocks = re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+    assert blocks
+    namespace: dict = {}
+    with jax.numpy_dtype_promotion("standard"):
+        for block in blocks:
+            exec(compile(block, str(path), "exec"), namespace)
+    assert set(namespace["programs"]) == {"rtne", "s3r"}
