@@ -13,6 +13,7 @@ from ._formats import BlockFloatGrad, IntGrad
 from ._interfaces import AbstractPolicy
 from ._quantize import (
     absmax_scale,
+    finite_absmax,
     gradient_step,
     QMAX,
     round_to_int8,
@@ -59,9 +60,10 @@ def _token_contraction(xq: Int8[Array, "b s h"], q: Int8[Array, "b s d"]) -> Flo
 
 
 def _check_finite(scale: Array, ax: ShardAxes, roles: tuple, msg: str) -> Array:
-    """Raise (at run time) if a scale is not finite: max|.| propagates NaN and Inf, so this
-    checks every element. The flag is reduced over the shards first, so inside `shard_map`
-    the check runs on a value that is the same on every shard."""
+    """Raise (at run time) if a scale is not finite: `absmax_scale` gives `+inf` to every
+    slice holding a NaN or an Inf, so this checks every element. The flag is reduced over the
+    shards first, so inside `shard_map` the check runs on a value that is the same on every
+    shard."""
     bad = ax.pmax(jnp.any(~jnp.isfinite(scale)).astype(jnp.int32), *roles)
     one = eqx.error_if(jnp.ones((), scale.dtype), bad > 0, msg)
     return scale * one
@@ -183,6 +185,28 @@ def _digits_dot(a: Float[Array, "r ..."], m: Int8[Array, "..."], m_contract: tup
     return scale.reshape((r,) + (1,) * (total.ndim - 1)) * total
 
 
+@ft.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def first_order_only(name: str, arrays):
+    """The identity on `arrays`, whose derivative raises (at trace time).
+
+    The backward passes of `qdot` and `qragged_dot` pass their float inputs (the upstream
+    gradient and the scales) through it. First-order autodiff only calls a backward pass;
+    differentiating through one (`jax.grad` of `jax.grad`, `jax.jvp` of `jax.grad`,
+    `jax.hessian`) differentiates its rounding, whose derivative is zero almost everywhere,
+    and would return finite, wrong numbers: this raises instead."""
+    return arrays
+
+
+@first_order_only.defjvp
+def _first_order_only_jvp(name, primals, tangents):
+    raise NotImplementedError(
+        f"{name}: higher-order derivatives (jax.grad of jax.grad, jax.jvp of jax.grad, "
+        "jax.hessian) are not defined: the backward pass rounds the gradient to a low-precision "
+        "grid, whose derivative is zero almost everywhere, so they would be wrong. Take "
+        "second-order quantities of the float model (policy=None)."
+    )
+
+
 @ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _qdot3(policy: AbstractPolicy, ax: ShardAxes, transposed: bool, x, w, key):
     return _forward(x, w, policy, ax, transposed)[0]
@@ -229,8 +253,9 @@ def quantize_gradient(
 
 
 def _global_amax(gp: Array, ax: ShardAxes) -> Array:
-    """`max|G'|` over the whole logical tensor; raises (at run time) on NaN or Inf."""
-    amax = ax.pmax(jnp.max(jnp.abs(gp)), "batch", "seq", "d_out")
+    """`max|G'|` over the whole logical tensor; raises (at run time) on NaN or Inf (a NaN is
+    counted as `+inf`, see `finite_absmax`)."""
+    amax = ax.pmax(finite_absmax(gp), "batch", "seq", "d_out")
     return eqx.error_if(
         amax,
         ~jnp.isfinite(amax),
@@ -255,7 +280,9 @@ def _float_gradient(policy: AbstractPolicy, gp, key, ax: ShardAxes):
                 f"be a multiple of the block size {fmt.block}."
             )
         g4 = gp.reshape(B, S, D // fmt.block, fmt.block)
-        s = fmt.scales(jnp.max(jnp.abs(g4), axis=-1, keepdims=True))
+        # A block's max never exceeds the global one: the minimum keeps the block maxima and
+        # makes them depend on the checked `amax` (an unused `error_if` result is dropped).
+        s = fmt.scales(jnp.minimum(jnp.max(jnp.abs(g4), axis=-1, keepdims=True), amax))
         y = (g4 / s).reshape(B, S, D)
         unscale = lambda q: (q.reshape(g4.shape) * s).reshape(B, S, D)
     q_dx, q_dw = quantize_gradient(policy, y, key, ax.block(gp.shape))  # pyright: ignore
@@ -405,6 +432,7 @@ def _error_means(qrow, qcol, gp, inv, delta, ax: ShardAxes) -> tuple[Array, Arra
 
 def _qdot3_bwd(policy: AbstractPolicy, ax: ShardAxes, transposed: bool, residuals, g):
     (xq, wq, sx, sw, xsum), key, x_like, w_like = residuals
+    g, sx, sw = first_order_only("s3req.qdot", (g, sx, sw))
     ec = policy.correction
     ia = _in_axis(transposed)
     H = wq.shape[ia]

@@ -13,13 +13,32 @@ QMAX = 127
 """Largest int8 code used (the grid is symmetric: codes lie in [-127, 127])."""
 
 
+def finite_absmax(
+    x: Float[Array, "..."], axis: int | None = None, keepdims: bool = False
+) -> Float[Array, "..."]:
+    """`max |x|` along `axis` (all axes for `None`) in float32, and `+inf` for every slice that
+    holds a NaN or an Inf.
+
+    XLA CPU's max reduction can drop a NaN (openxla/xla#21461), but no max drops an Inf: the
+    NaNs are found by their own `isnan` reduction (an `or`, which XLA fuses with the max: one
+    pass over `x`), so a finiteness test of the result checks every element on every backend.
+    (Replacing each NaN by `+inf` inside the max, or testing `isnan` of `|x|` rather than of
+    `x`, changes how XLA CPU fuses the backward: EC then holds a float32 copy of `G'` across
+    the GEMMs, see `tests/test_qdot.py::test_ec_temporary_memory`.)
+    """
+    nan = jnp.any(jnp.isnan(x), axis=axis, keepdims=keepdims)
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=keepdims)
+    return jnp.where(nan, jnp.inf, amax)
+
+
 def absmax_scale(x: Float[Array, "..."], axis: int) -> Float[Array, "..."]:
     """`max |x| / 127` along `axis` (kept as a size-1 axis), in float32; zero slices get 1.
 
     A zero row or column gets scale 1, never 0, because the backward pass divides by it.
-    NaN and Inf propagate into the scale (so checking the scales checks every element).
+    A slice holding a NaN or an Inf gets scale `+inf` (see `finite_absmax`), so checking the
+    scales for finiteness checks every element.
     """
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=True)
+    amax = finite_absmax(x, axis=axis, keepdims=True)
     return jnp.where(amax == 0, jnp.ones_like(amax), amax / QMAX)
 
 
@@ -37,7 +56,7 @@ def gradient_step(
     For an all-zero gradient `delta = 0` and `inv = 0`: every code is 0 and nothing is NaN.
     (`g` may also be a precomputed maximum.)
     """
-    amax = jnp.max(jnp.abs(g))
+    amax = finite_absmax(g)
     safe = jnp.where(amax > 0, amax, jnp.ones_like(amax))
     inv = jnp.where(amax > 0, qmax / safe, jnp.zeros_like(amax))
     return amax / qmax, inv

@@ -16,7 +16,7 @@ from jaxtyping import Array, Float, Int, Int8, PRNGKeyArray
 
 from ._formats import IntGrad
 from ._interfaces import AbstractPolicy
-from ._qdot import DW_CHUNK, MAX_TERMS, quantize_gradient
+from ._qdot import DW_CHUNK, first_order_only, MAX_TERMS, quantize_gradient
 from ._quantize import absmax_scale, gradient_step, QMAX, round_to_int8
 from ._thresholds import Rows
 
@@ -126,6 +126,7 @@ def _qragged_fwd(policy, num_examples, x, w, group_sizes, key, row_id, example_i
 
 def _qragged_bwd(policy: AbstractPolicy, num_examples: int, residuals, g):
     (xq, wq, sx, sw, expert, xsum, rw), group_sizes, key, row_id, example_id, like = residuals
+    g, sx, sw = first_order_only("s3req.qragged_dot", (g, sx, sw))
     n, D = g.shape
     E, H, _ = wq.shape
     # Fold both scales into the gradient, one per-tensor step (float32 even for bf16 G).

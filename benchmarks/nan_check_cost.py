@@ -1,0 +1,74 @@
+"""Cost of the NaN/Inf check of `qdot` (docs/guides/reliability.md).
+
+Times one `qdot` forward+backward with the check (`finite_absmax`: `max|.|` plus an `isnan`
+reduction per tensor) and without it (the same program with a plain `max|.|`), both compiled
+first and then timed round-robin in one process; prints the medians and their ratio.
+
+    python benchmarks/nan_check_cost.py [--shape 4x256x1024x4096] [--repeats 15]
+"""
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+
+import s3req._qdot as _qdot
+import s3req._quantize as _quantize
+from policies import preset
+from s3req import qdot
+
+
+def _plain_absmax(x, axis=None, keepdims=False):
+    return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=keepdims)
+
+
+def _program(policy, args):
+    def f(x, w, g, key):
+        y, pull = jax.vjp(lambda x, w: qdot(x, w, policy=policy, key=key), x, w)
+        return y, pull(g)
+
+    return jax.jit(f).lower(*args).compile()
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Cost of the NaN/Inf check of qdot.")
+    parser.add_argument("--shape", default="4x256x1024x4096")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--policies", default="rtne,s3r,s3r-ec-2way")
+    args = parser.parse_args()
+    B, S, H, D = (int(n) for n in args.shape.split("x"))
+    kx, kw, kg = jr.split(jr.key(0), 3)
+    operands = (
+        jr.normal(kx, (B, S, H), jnp.bfloat16),
+        jr.normal(kw, (H, D)) / np.sqrt(H),
+        jr.normal(kg, (B, S, D), jnp.bfloat16),
+        jr.key(1),
+    )
+    print(f"qdot fwd+bwd x({B},{S},{H}) bf16 @ w({H},{D}) f32, {jax.devices()[0].platform}")
+    for name in args.policies.split(","):
+        policy = preset(name)
+        checked = _program(policy, operands)
+        saved = (_quantize.finite_absmax, _qdot.finite_absmax)
+        _quantize.finite_absmax = _qdot.finite_absmax = _plain_absmax
+        try:
+            unchecked = _program(policy, operands)
+        finally:
+            _quantize.finite_absmax, _qdot.finite_absmax = saved
+        times = {"checked": [], "unchecked": []}
+        for _ in range(args.repeats):
+            for label, prog in (("checked", checked), ("unchecked", unchecked)):
+                t0 = time.perf_counter()
+                jax.block_until_ready(prog(*operands))
+                times[label].append(time.perf_counter() - t0)
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        print(
+            f"{name:>12}: with check {1e3 * med['checked']:.1f} ms, without "
+            f"{1e3 * med['unchecked']:.1f} ms, ratio {med['checked'] / med['unchecked']:.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
