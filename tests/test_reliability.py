@@ -150,7 +150,6 @@ def test_higher_order_derivatives_raise(order, policy, getkey):
     key = getkey()
     lin = QuantLinear(H, D, policy=policy, key=getkey())
     xr, wr, gs, _, row_id, example_id, n_ex = _ragged(getkey())
-    ids = dict(row_id=row_id, example_id=example_id, num_examples=n_ex)
     # (loss, argument); jax.hessian / jax.jacfwd build one tangent per input element, so their
     # argument is small: two tokens, or the bias of a layer whose weight gradient is taken.
     small = order in ("hessian", "jacfwd_of_grad")
@@ -162,7 +161,20 @@ def test_higher_order_derivatives_raise(order, policy, getkey):
         ),
         "QuantLinear": (lambda x: jnp.sum(jnp.sin(lin(x, key=key))), x),
         "qragged_dot": (
-            lambda w: jnp.sum(jnp.sin(qragged_dot(xr, w, gs, policy=policy, key=key, **ids))),
+            lambda w: jnp.sum(
+                jnp.sin(
+                    qragged_dot(
+                        xr,
+                        w,
+                        gs,
+                        policy=policy,
+                        key=key,
+                        row_id=row_id,
+                        example_id=example_id,
+                        num_examples=n_ex,
+                    )
+                )
+            ),
             wr[:, :, :2] if small else wr,
         ),
     }
