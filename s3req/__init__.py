@@ -2,6 +2,7 @@
 
 import importlib.metadata
 
+from ._dot_general import dot_general as dot_general
 from ._float_sr import (
     float_format as float_format,
     FLOAT_FORMATS as FLOAT_FORMATS,
@@ -27,6 +28,7 @@ from ._interfaces import (
     AbstractPolicy as AbstractPolicy,
     AbstractTopology as AbstractTopology,
 )
+from ._keys import bind_keys as bind_keys, unbind_keys as unbind_keys
 from ._linear import QuantLinear as QuantLinear
 from ._optim import (
     Adam8bitState as Adam8bitState,

@@ -24,6 +24,8 @@ class QuantLinear(eqx.Module):
     token structure) and takes a `key` for the stochastic rounding of its backward pass. The
     quantized matmul reads the weight in this `(out_features, in_features)` layout directly (it
     is `qdot(x, weight.T)` without materializing the transpose) and returns its gradient in it.
+    Its field `key` is `None` except inside a training step, where [`s3req.bind_keys`][] binds
+    a key for the step to a model that calls its layers without one.
 
     **Arguments:**
 
@@ -53,6 +55,7 @@ class QuantLinear(eqx.Module):
     in_features: int = eqx.field(static=True)
     out_features: int = eqx.field(static=True)
     use_bias: bool = eqx.field(static=True)
+    key: PRNGKeyArray | None = None
 
     def __init__(
         self,
@@ -73,6 +76,7 @@ class QuantLinear(eqx.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.use_bias = use_bias
+        self.key = None
 
     def __check_init__(self):
         if self.policy is not None and not isinstance(self.policy, AbstractPolicy):
@@ -95,7 +99,8 @@ class QuantLinear(eqx.Module):
         - `x`: activations `(batch, seq, in_features)`, `(seq, in_features)` (one example) or
           `(in_features,)` (one token).
         - `key`: a fresh key for the backward thresholds; required when the policy is
-          stochastic. (Keyword only argument.)
+          stochastic, unless a key was bound for this step with [`s3req.bind_keys`][] (an
+          explicit `key` takes precedence). (Keyword only argument.)
         - `axes`: inside `jax.shard_map`, the mesh axes sharding `x` and the weight (see
           [`s3req.ShardAxes`][]); the local `in_features`/`out_features` are then the
           layer's shard. `None` under `jax.jit` or unsharded. (Keyword only argument.)
@@ -108,6 +113,14 @@ class QuantLinear(eqx.Module):
             raise ValueError(
                 f"QuantLinear expects inputs with last axis {self.weight.shape[1]}, got shape "
                 f"{x.shape}."
+            )
+        key = self.key if key is None else key
+        if key is None and self.policy is not None and self.policy.stochastic:
+            raise ValueError(
+                f"QuantLinear: policy {self.policy} rounds stochastically and needs a fresh key "
+                "for every call: pass `key=`, or, for a model that calls its layers without "
+                "keys, bind one step key inside the training step with "
+                "`model = s3req.bind_keys(model, step_key)`."
             )
         y = qdot_t(x, self.weight, policy=self.policy, key=key, axes=axes)
         if self.bias is not None:
