@@ -39,7 +39,15 @@ import numpy as np
 import optax
 
 from s3req._optim import adam_8bit, apply_updates_sr, tree_bytes
-from s3req.train import build_model, evaluate, load_data, make_optimizer, TrainConfig
+from s3req.train import (
+    build_model,
+    evaluate,
+    load_data,
+    make_optimizer,
+    make_train_step,
+    TrainConfig,
+    TrainState,
+)
 from s3req.train._plot import plot_curves
 
 
@@ -62,13 +70,6 @@ def _apply_rtn(model, updates):
     return jtu.tree_map(f, updates, model, is_leaf=lambda x: x is None)
 
 
-def _loss(model, tokens, key):
-    logits, aux = model.forward(tokens[:, :-1], key=key)
-    logits = logits.astype(jnp.float32)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-    return ce + jnp.asarray(aux, jnp.float32), ce
-
-
 def _optimizer(variant: str, config: TrainConfig, seed_key):
     if variant != "bf16-sr-adam8":
         return make_optimizer(config)[0]
@@ -85,30 +86,34 @@ def _optimizer(variant: str, config: TrainConfig, seed_key):
     return optax.chain(optax.clip_by_global_norm(config.grad_clip), adam)
 
 
-def _make_step(variant: str, optimizer):
-    @eqx.filter_jit
-    def step(model, opt_state, tokens, key, round_key):
-        m32 = _cast(model, jnp.float32)  # exact: the compute sees the stored weights
-        (_, ce), grads = eqx.filter_value_and_grad(_loss, has_aux=True)(m32, tokens, key)
-        params = eqx.filter(m32, eqx.is_inexact_array)
-        with jax.numpy_dtype_promotion("standard"):  # optax mixes int32 counts and floats
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-        if variant.startswith("bf16-sr"):
-            new = apply_updates_sr(model, updates, key=round_key)
-        else:
-            new = _apply_rtn(model, updates)
-        # How much of the intended update the stored weights received: the projection
-        # sum(dp * u) / sum(u * u) of the applied change dp on the update u (1 when exact;
-        # 1 in expectation with SR; below 1 when round-to-nearest swamps updates).
-        old_l = jtu.tree_leaves(eqx.filter(model, eqx.is_inexact_array))
-        new_l = jtu.tree_leaves(eqx.filter(new, eqx.is_inexact_array))
-        upd_l = [u.astype(jnp.float32) for u in jtu.tree_leaves(updates)]
-        f32 = lambda a: a.astype(jnp.float32)
-        num = sum(jnp.sum((f32(b) - f32(a)) * u) for a, b, u in zip(old_l, new_l, upd_l))
-        den = sum(jnp.sum(u * u) for u in upd_l)
-        return new, opt_state, ce, jnp.where(den > 0, num / den, jnp.nan)
+def _applied(old, new, updates):
+    """How much of the intended update the stored weights received: the projection
+    sum(dp * u) / sum(u * u) of the applied change dp on the update u (1 when exact; 1 in
+    expectation with SR; below 1 when round-to-nearest swamps updates)."""
+    old_l = jtu.tree_leaves(eqx.filter(old, eqx.is_inexact_array))
+    new_l = jtu.tree_leaves(eqx.filter(new, eqx.is_inexact_array))
+    upd_l = [u.astype(jnp.float32) for u in jtu.tree_leaves(updates)]
+    f32 = lambda a: a.astype(jnp.float32)
+    num = sum(jnp.sum((f32(b) - f32(a)) * u) for a, b, u in zip(old_l, new_l, upd_l))
+    den = sum(jnp.sum(u * u) for u in upd_l)
+    return {"applied": jnp.where(den > 0, num / den, jnp.nan)}
 
-    return step
+
+def _make_step(variant: str, optimizer):
+    """The step of `s3req.train` on the float32 upcast of the stored weights (exact), with
+    the update written back by SR or round-to-nearest."""
+
+    def apply(model, updates, round_key):
+        if variant.startswith("bf16-sr"):
+            return apply_updates_sr(model, updates, key=round_key)
+        return _apply_rtn(model, updates)
+
+    return make_train_step(
+        optimizer,
+        prepare=lambda m: _cast(m, jnp.float32),
+        apply_updates=apply,
+        extra_metrics=_applied,
+    )
 
 
 def run(variant: str, config: TrainConfig, data, eval_every: int, eval_batches: int):
@@ -123,6 +128,7 @@ def run(variant: str, config: TrainConfig, data, eval_every: int, eval_batches: 
     params32 = eqx.filter(_cast(model, jnp.float32), eqx.is_inexact_array)
     with jax.numpy_dtype_promotion("standard"):
         opt_state = optimizer.init(params32)  # AdamW moments in float32 for every variant
+    state = TrainState(model, opt_state, jnp.zeros((), jnp.int32))
     step_fn = _make_step(variant, optimizer)
     rng = np.random.default_rng(config.seed)
     n_params = sum(x.size for x in jtu.tree_leaves(eqx.filter(model, eqx.is_inexact_array)))
@@ -144,16 +150,16 @@ def run(variant: str, config: TrainConfig, data, eval_every: int, eval_batches: 
     for step in range(config.steps + 1):
         rec: dict = {"step": step}
         if step % eval_every == 0 or step == config.steps:
-            rec["val_loss"] = val(model)
+            rec["val_loss"] = val(state.model)
         if step == config.steps:
             records.append(rec)
             break
         tokens = jnp.asarray(data.sample_batch(rng, config.batch, config.seq_len))
-        model, opt_state, ce, applied = step_fn(
-            model, opt_state, tokens, jr.fold_in(train_key, step), jr.fold_in(round_key, step)
+        state, info = step_fn(
+            state, tokens, jr.fold_in(train_key, step), jr.fold_in(round_key, step)
         )
-        rec["train_loss"] = float(ce)
-        rec["applied"] = float(applied)
+        rec["train_loss"] = float(info["loss"])
+        rec["applied"] = float(info["applied"])
         records.append(rec)
     wall = time.perf_counter() - t0
     print(f"{variant}: final val {records[-1]['val_loss']:.4f} ({wall:.0f} s)", flush=True)

@@ -1,11 +1,12 @@
 """Table IV of the paper at CPU scale: full training steps per policy, and the memory claim.
 
 **Speed.** One training step (forward, INT8 backward under the policy, global-norm clipping,
-AdamW; the step of `s3req.train`) of the `tiny` Llama, the `tiny-moe` MoE and the `small`
-Llama reduced to 2 layers (its real widths and 32k vocabulary), per policy of the paper's
-Table IV. All policies of a model are compiled first and timed round-robin in one process
-(median of repeats, the timing helper of `benchmarks/bench_qdot.py`); reported as ratios
-against BF16 and against Independent SR, never as absolute CPU times (shared, noisy machine).
+AdamW; `s3req.train.make_train_step`, the step of `s3req train`) of the `tiny` Llama, the
+`tiny-moe` MoE and the `small` Llama reduced to 2 layers (its real widths and 32k
+vocabulary), per policy of the paper's Table IV. All policies of a model are compiled first
+and timed round-robin in one process (median of repeats, the timing helper of
+`benchmarks/bench_qdot.py`); reported as ratios against BF16 and against Independent SR, never
+as absolute CPU times (shared, noisy machine).
 
 **Memory.** XLA's compile-time memory analysis of the same step for the big presets
 (`llama3.1-8b`, `qwen3-8b`, `qwen3-30b-a3b`, `deepseek-v2-lite`), compile-only on
@@ -37,7 +38,6 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
-import optax
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -47,7 +47,13 @@ from bench_qdot import _time, allocator_mode, allocator_note, run_with_allocator
 
 import models  # noqa: E402
 from policies import PRESETS  # noqa: E402
-from s3req.train import make_optimizer, TrainConfig  # noqa: E402
+from s3req.train import (  # noqa: E402
+    init_state,
+    make_optimizer,
+    make_train_step,
+    TrainConfig,
+    TrainState,
+)
 
 
 POLICIES = ("bf16", "rtne", "sr", "s3r", "s3r-ec-2way", "s3r-ec-dx")
@@ -104,26 +110,6 @@ MEMORY_MODELS = {
 }
 
 
-def make_step(optimizer: optax.GradientTransformation):
-    """The training step of `s3req.train` (loss, grads, AdamW with clipping)."""
-
-    def loss_fn(model, tokens, key):
-        logits, aux = model.forward(tokens[:, :-1], key=key)
-        ce = optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), tokens[:, 1:]
-        ).mean()
-        return ce + aux
-
-    def step(model, opt_state, tokens, key):
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, tokens, key)
-        params = eqx.filter(model, eqx.is_inexact_array)
-        with jax.numpy_dtype_promotion("standard"):
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-        return eqx.apply_updates(model, updates), opt_state, loss
-
-    return step
-
-
 def config(preset: str, overrides: dict) -> models.LlamaConfig:
     cfg = models.get_config(preset)
     moe = cfg.moe
@@ -136,7 +122,6 @@ def config(preset: str, overrides: dict) -> models.LlamaConfig:
 
 def speed(models_: dict, repeats: int, policies=POLICIES) -> dict:
     optimizer, _ = make_optimizer(TrainConfig())
-    step = make_step(optimizer)
     out = {}
     for name, (preset, overrides, batch, seq) in models_.items():
         cfg = config(preset, overrides)
@@ -148,10 +133,8 @@ def speed(models_: dict, repeats: int, policies=POLICIES) -> dict:
             like = models.Llama(cfg, PRESETS[p], key=jr.key(0))
             treedef = jax.tree_util.tree_structure(like)
             model = jax.tree_util.tree_unflatten(treedef, leaves)  # same weights, new policy
-            with jax.numpy_dtype_promotion("standard"):
-                opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-            fns[p] = eqx.filter_jit(step)
-            args[p] = (model, opt_state, tokens, jr.key(7))
+            fns[p] = make_train_step(optimizer)
+            args[p] = (init_state(model, optimizer), tokens, jr.key(7))
         times = _time(fns, args, repeats)
         out[name] = {
             "preset": preset,
@@ -172,7 +155,7 @@ def speed(models_: dict, repeats: int, policies=POLICIES) -> dict:
 
 def memory(presets: dict, n_layers: int, seq: int, policies=POLICIES) -> dict:
     optimizer, _ = make_optimizer(TrainConfig())
-    step = make_step(optimizer)
+    step = make_train_step(optimizer)
     is_sds = lambda x: isinstance(x, jax.ShapeDtypeStruct)
     out = {}
     for name, preset in presets.items():
@@ -190,8 +173,9 @@ def memory(presets: dict, n_layers: int, seq: int, policies=POLICIES) -> dict:
             key = jax.eval_shape(lambda: jr.key(0))
 
             def f(d, o, t, k):
-                m, o2, loss = step(eqx.combine(d, static), o, t, k)
-                return eqx.filter(m, eqx.is_array), o2, loss
+                state = TrainState(eqx.combine(d, static), o, jnp.zeros((), jnp.int32))
+                new, info = step(state, t, k)
+                return eqx.filter(new.model, eqx.is_array), new.opt_state, info["loss"]
 
             with jax.numpy_dtype_promotion("standard"):
                 compiled = jax.jit(f).lower(dyn, opt, tokens, key).compile()

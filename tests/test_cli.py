@@ -8,6 +8,7 @@ import pytest
 
 import s3req.train._data as data_mod
 from s3req.train import CORPUS_INSTALL_COMMAND
+from s3req.train._checkpoint import load_meta
 from s3req.train._cli import _config_from_args, build_parser, main
 
 
@@ -56,7 +57,8 @@ def test_train_20_steps_val_loss_falls(tiny_run, capsys):
     vals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     assert [s for s, _ in vals] == [0, 10, 20]
     assert vals[-1][1] < vals[0][1] - 0.5
-    assert (out / "checkpoint" / "model.eqx").is_file()
+    assert load_meta(out)["step"] == 20
+    assert (out / "loss_curve.png").is_file()
     assert json.loads((out / "config.json").read_text())["steps"] == 20
 
 
@@ -156,6 +158,27 @@ def test_missing_corpus_and_checkpoint(tmp_path, monkeypatch, capsys):
     assert "No checkpoint" in capsys.readouterr().err
     assert main(["train", "--resume", "--out", str(tmp_path / "nothing")]) == 1
     assert "Drop --resume" in capsys.readouterr().err
+
+
+def test_runs_do_not_collide(tmp_path, capsys):
+    argv = [
+        "train", "--config", str(_small_config(tmp_path)), "--steps", "1", "--eval-every", "0",
+        "--data", str(_text_file(tmp_path)), "--cache", str(tmp_path / "c"),
+        "--out", str(tmp_path / "r"), "--quiet",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(argv) == 1  # a second run into the same folder is refused
+    err = capsys.readouterr().err
+    assert "holds an earlier run" in err and "--overwrite" in err and "--resume" in err
+    assert main([*argv, "--overwrite"]) == 0
+    assert "validation loss" in capsys.readouterr().out
+
+
+def _small_config(folder):
+    cfg = folder / "small.json"
+    cfg.write_text(json.dumps({"model": SMALL, "batch": 2, "seq-len": 16, "warmup": 1}))
+    return cfg
 
 
 def test_python_dash_m():

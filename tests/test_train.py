@@ -13,9 +13,17 @@ import jax.tree_util as jtu
 import numpy as np
 import pytest
 
-from s3req.train import ByteTokenizer, TokenData, train, TrainConfig
-from s3req.train._checkpoint import load_tree, save_tree
-from s3req.train._loop import load_run, sample
+from s3req.train import (
+    ByteTokenizer,
+    load_checkpoint,
+    load_run,
+    sample,
+    save_checkpoint,
+    TokenData,
+    train,
+    TrainConfig,
+)
+from s3req.train._checkpoint import load_meta
 
 
 # A very small Llama: compile time and steps stay well under a second each.
@@ -43,7 +51,7 @@ def _config(tmp_path, name, **kw):
         eval_batches=2,
         log_every=1,
         model=SMALL,
-        out=str(tmp_path / name),
+        out=None if tmp_path is None else str(tmp_path / name),
     )
     return TrainConfig(**{**base, **kw})
 
@@ -62,6 +70,12 @@ def _leaves(tree):
 
 def _strip_time(metrics):
     return [{k: v for k, v in r.items() if k != "time_s"} for r in metrics]
+
+
+def _opt_like(model):
+    from s3req.train import init_state, make_optimizer
+
+    return init_state(model, make_optimizer(_config(None, "x"))[0]).opt_state
 
 
 def _same_trees(a, b):
@@ -100,8 +114,7 @@ def test_exact_resume(tmp_path, data, full_run, interrupt, monkeypatch):
         part = train(cfg, data=data, stop_at=3, progress=False)
         assert part.step == 3
         assert not _same_trees(part.model, full.model)
-    meta = json.loads((tmp_path / "split" / "checkpoint" / "meta.json").read_text())
-    assert meta["step"] == 3
+    assert load_meta(tmp_path / "split")["step"] == 3
     resumed = train(cfg, data=data, resume=True, progress=False)
     assert resumed.step == 6
     assert _same_trees(resumed.model, full.model)
@@ -109,9 +122,12 @@ def test_exact_resume(tmp_path, data, full_run, interrupt, monkeypatch):
     assert _strip_time(map(json.loads, lines)) == _strip_time(full.metrics)
     assert _strip_time(resumed.metrics) == _strip_time(full.metrics)
     # The optimizer state and the data generator agree too.
-    m_full = json.loads((full_dir / "full" / "checkpoint" / "meta.json").read_text())
-    m_split = json.loads((tmp_path / "split" / "checkpoint" / "meta.json").read_text())
+    m_full, m_split = load_meta(full_dir / "full"), load_meta(tmp_path / "split")
     assert m_full["data_rng"] == m_split["data_rng"] and m_full["step"] == m_split["step"] == 6
+    like = (full.model, resumed.model)
+    _, opt_full, _ = load_checkpoint(full_dir / "full", full.model, _opt_like(full.model))
+    _, opt_split, _ = load_checkpoint(tmp_path / "split", like[1], _opt_like(like[1]))
+    assert _same_trees(opt_full, opt_split)
 
 
 def test_metrics_well_formed(tmp_path, data):
@@ -131,7 +147,8 @@ def test_metrics_well_formed(tmp_path, data):
             assert math.isfinite(r["val_loss"])
     assert records[0]["val_loss"] == pytest.approx(math.log(256), abs=0.3)
     assert records[0]["lr"] == 0.0 and records[2]["lr"] == pytest.approx(cfg.lr, rel=0.2)
-    assert (tmp_path / "run" / "checkpoint" / "model.eqx").is_file()
+    assert load_meta(tmp_path / "run")["step"] == 6
+    assert (tmp_path / "run" / "loss_curve.png").read_bytes().startswith(b"\x89PNG")
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert TrainConfig.from_dict(saved) == cfg
 
@@ -189,9 +206,11 @@ def test_sample(tmp_path, data):
 
 def test_checkpoint_typed_keys(tmp_path):
     tree = {"w": jnp.arange(3.0), "k": jr.key(7), "ks": jr.split(jr.key(1), 2), "n": 3}
-    save_tree(tmp_path / "t.eqx", tree)
+    save_checkpoint(tmp_path, tree, {"count": jnp.int32(4)}, {"step": 1})
     like = dict(tree, w=jnp.zeros(3), k=jr.key(0), ks=jr.split(jr.key(0), 2))
-    back = load_tree(tmp_path / "t.eqx", like)
+    back, opt, meta = load_checkpoint(tmp_path, like, {"count": jnp.int32(0)})
+    assert opt is not None
+    assert meta["step"] == 1 and int(opt["count"]) == 4 and back["n"] == 3
     assert np.array_equal(back["w"], tree["w"])
     assert np.array_equal(jr.key_data(back["k"]), jr.key_data(tree["k"]))
     assert np.array_equal(jr.key_data(back["ks"]), jr.key_data(tree["ks"]))

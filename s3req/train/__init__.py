@@ -9,10 +9,19 @@ result = train(TrainConfig(steps=100, out="runs/demo"))
 """
 
 from ._checkpoint import (
+    CheckpointError as CheckpointError,
+    clean_checkpoint_temps as clean_checkpoint_temps,
+    latest_checkpoint as latest_checkpoint,
     load_checkpoint as load_checkpoint,
     save_checkpoint as save_checkpoint,
 )
 from ._cli import main as main
+from ._compare import compare as compare
+from ._config import (
+    build_model as build_model,
+    model_config as model_config,
+    TrainConfig as TrainConfig,
+)
 from ._data import (
     bpe_cached as bpe_cached,
     cache_dir as cache_dir,
@@ -25,17 +34,12 @@ from ._data import (
     TokenData as TokenData,
 )
 from ._loop import (
-    build_model as build_model,
-    compare as compare,
     evaluate as evaluate,
-    load_run as load_run,
-    make_optimizer as make_optimizer,
-    model_config as model_config,
-    sample as sample,
+    Preempted as Preempted,
     train as train,
-    TrainConfig as TrainConfig,
     TrainResult as TrainResult,
 )
+from ._sample import load_run as load_run, sample as sample
 from ._sharding import (
     batch_sharding as batch_sharding,
     make_mesh as make_mesh,
@@ -43,6 +47,13 @@ from ._sharding import (
     parse_mesh as parse_mesh,
     replicated as replicated,
     shard_model as shard_model,
+)
+from ._state import (
+    init_state as init_state,
+    make_optimizer as make_optimizer,
+    make_train_step as make_train_step,
+    next_token_loss as next_token_loss,
+    TrainState as TrainState,
 )
 from ._tokenizer import (
     AbstractTokenizer as AbstractTokenizer,

@@ -8,7 +8,9 @@ import sys
 import typing
 from collections.abc import Sequence
 
-from ._loop import TrainConfig
+from ._checkpoint import CheckpointError
+from ._config import TrainConfig
+from ._loop import Preempted
 
 
 _DEFAULTS = TrainConfig()
@@ -182,6 +184,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue from DIR/checkpoint (bit-exact)"
     )
     t.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier run in DIR (without it, s3req refuses to start over one)",
+    )
+    t.add_argument(
+        "--allow-changes",
+        action="store_true",
+        help="with --resume: continue although settings that change the arithmetic (lr, "
+        "steps, ...) differ from the checkpoint's (the run is then no longer exact)",
+    )
+    t.add_argument(
         "--mesh",
         metavar="SPEC",
         help="train sharded on a device mesh, e.g. fsdp=4,tp=2 (on CPU set XLA_FLAGS="
@@ -202,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated presets (default: bf16,rtne,sr,s3r,s3r-ec-2way)",
     )
     c.add_argument("--out", metavar="DIR", help="comparison folder (default: runs/compare)")
+    c.add_argument(
+        "--overwrite", action="store_true", help="replace earlier runs in DIR/<policy>/"
+    )
 
     s = sub.add_parser(
         "sample",
@@ -259,7 +275,7 @@ def _config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
             )
     try:
         config = TrainConfig.from_dict(values)
-        from ._loop import model_config
+        from ._config import model_config
 
         model_config(config, 256)
     except (ValueError, TypeError) as e:
@@ -275,6 +291,8 @@ def _train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         result = train(
             config,
             resume=getattr(args, "resume", False),
+            overwrite=getattr(args, "overwrite", False),
+            allow_changes=getattr(args, "allow_changes", False),
             mesh=getattr(args, "mesh", None),
             progress=not getattr(args, "quiet", False),
         )
@@ -292,7 +310,7 @@ def _train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from ._loop import compare
+    from ._compare import compare
 
     config = _config_from_args(parser, args)
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -301,7 +319,12 @@ def _compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if name not in known:
             parser.error(f"--policies: unknown policy {name!r}; choose from: {', '.join(known)}.")
     try:
-        compare(config, names, progress=not getattr(args, "quiet", False))
+        compare(
+            config,
+            names,
+            overwrite=getattr(args, "overwrite", False),
+            progress=not getattr(args, "quiet", False),
+        )
     except ValueError as e:
         parser.error(str(e))
     out = pathlib.Path(str(config.out))
@@ -313,7 +336,7 @@ def _compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def _sample(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import jax.random as jr
 
-    from ._loop import load_run, sample
+    from ._sample import load_run, sample
 
     model, tokenizer, config = load_run(args.ckpt)
     text = sample(
@@ -346,8 +369,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = {"train": _train, "compare": _compare, "sample": _sample}[args.command]
     try:
         return command(getattr(args, "_parser", parser), args)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, FileExistsError, CheckpointError) as e:
         print(f"s3req {args.command}: {e}", file=sys.stderr)
         return 1
+    except Preempted:
+        return 143  # 128 + SIGTERM, after saving a checkpoint
     except KeyboardInterrupt:
         return 130
