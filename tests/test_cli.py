@@ -121,7 +121,20 @@ def test_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert "usage:" not in err and len(err.splitlines()) <= 2  # short: the error and --help
+
+
+def test_compare_policy_hint(capsys):
+    with pytest.raises(SystemExit):
+        main(["compare", "--policy", "s3r"])
+    assert "--policies" in capsys.readouterr().err
+
+
+def test_missing_config_file(tmp_path, capsys):
+    assert main(["train", "--config", str(tmp_path / "nope.json")]) == 1
+    assert "nope.json: no such file" in capsys.readouterr().err
 
 
 def test_bad_config_file(tmp_path, capsys):
@@ -172,7 +185,10 @@ def test_runs_do_not_collide(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "holds an earlier run" in err and "--overwrite" in err and "--resume" in err
     assert main([*argv, "--overwrite"]) == 0
-    assert "validation loss" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # --eval-every 0 evaluates only the end: one value, not "final -> final"
+    assert "validation loss" in out and "->" not in out
+    assert "--prompt 'Shall I'" in out  # the hint comes from the data
 
 
 def _small_config(folder):

