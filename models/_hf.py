@@ -201,6 +201,8 @@ _KEYS: dict[str, _Key] = {
         (), "read", "of `llama3` rope; wins over `rope_parameters`', as in transformers", 16
     ),
     "torch_dtype": _Key((), "ignored", "older name of `dtype`"),
+    "output_attentions": _Key((), "ignored", "what transformers returns"),
+    "_name_or_path": _Key((), "ignored", "metadata"),
     "quantization_config": _Key(
         (), "checked", "must be absent (quantized weights)", refused={"quant_method": "fp8"}
     ),
@@ -251,7 +253,6 @@ _DEFAULTS: dict[str, dict[str, typing.Any]] = {
         decoder_sparse_step=1,
         moe_intermediate_size=768,
         num_experts_per_tok=8,
-        num_experts=128,
         norm_topk_prob=False,
         router_aux_loss_coef=0.001,
         mlp_only_layers=None,
@@ -357,7 +358,7 @@ def _moe(hf: dict[str, typing.Any], n_layers: int) -> MoEConfig:
         raise ValueError(
             f"load_hf: `num_local_experts` ({new}) and `num_experts` ({old}) disagree."
         )
-    n_experts = int(new if new is not None else old)
+    n_experts = int(next((n for n in (new, old) if n is not None), 128))  # the class default
     if n_experts < 1:
         _refuse("num_experts", n_experts, "a Qwen3-MoE without experts")
     step = int(hf["decoder_sparse_step"])
@@ -404,9 +405,7 @@ def config_from_hf(hf: dict[str, typing.Any], **overrides: typing.Any) -> LlamaC
     """
     mt = hf.get("model_type")
     if mt not in _ARCH:
-        raise NotImplementedError(
-            f"load_hf: model_type {mt!r} is not supported; use one of {sorted(_ARCH)}."
-        )
+        _refuse("model_type", mt, f"use one of {', '.join(_ARCH)}")
     _check(hf)
     hf = {**_DEFAULTS[mt], **hf}
     n_heads = int(hf["num_attention_heads"])
@@ -515,6 +514,7 @@ _DTYPES = {
 }
 _CODES = {v: k for k, v in _DTYPES.items()}
 _CHUNK_BYTES = 1 << 24  # rows read (and converted) per step: 16 MiB
+_INPLACE_BYTES = 1 << 26  # larger parameters are filled in place on the device: 64 MiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -571,6 +571,9 @@ def _write_into(buf: jax.Array, starts: tuple, value: jax.Array, transpose: bool
     return jax.lax.dynamic_update_slice(buf, v, starts)
 
 
+_Buffer = np.ndarray | jax.Array
+
+
 class _Reader:
     """The tensors of one or several safetensors files, by name."""
 
@@ -601,7 +604,7 @@ class _Reader:
         self.used.add(name)
         return self.entries[name]
 
-    def fill(self, buf: jax.Array, index: tuple[int, ...], name: str, transpose: bool = False):
+    def fill(self, buf: _Buffer, index: tuple[int, ...], name: str, transpose: bool = False):
         """Write tensor `name` into `buf[index]` (a 2-D one transposed if asked), chunk by
         chunk of rows."""
         entry = self(name)
@@ -615,11 +618,24 @@ class _Reader:
         return _fill_rows(buf, index, entry, transpose)
 
 
-def _fill_rows(buf: jax.Array, index: tuple[int, ...], entry: _Entry, transpose: bool):
+def _fill_rows(buf: _Buffer, index: tuple[int, ...], entry: _Entry, transpose: bool) -> _Buffer:
     for start, chunk in _rows(entry):
         at = (0, start) if transpose else (start,) + (0,) * (chunk.ndim - 1)
-        buf = _write_into(buf, index + at, chunk, transpose)
+        if isinstance(buf, np.ndarray):
+            v = chunk.T if transpose else chunk
+            buf[index + tuple(slice(a, a + n) for a, n in zip(at, v.shape))] = v
+        else:
+            buf = _write_into(buf, index + at, chunk, transpose)
     return buf
+
+
+def _new_buffer(shape_dtype: jax.ShapeDtypeStruct, dtype: typing.Any) -> _Buffer:
+    """A parameter to fill: a NumPy array when small (filled on the host, then copied to the
+    device once), otherwise a device array filled in place by `_write_into`."""
+    dt = np.dtype(jnp.dtype(dtype))
+    if math.prod(shape_dtype.shape) * dt.itemsize <= _INPLACE_BYTES:
+        return np.empty(shape_dtype.shape, dt)
+    return jnp.zeros(shape_dtype.shape, dt)
 
 
 # Each entry: (path inside a DecoderLayer, Hugging Face names of one layer, stacked experts?)
@@ -667,7 +683,7 @@ def _stacks(config: LlamaConfig) -> list[tuple[bool, range]]:
     return out
 
 
-def _fill_fused_experts(read: _Reader, buf: jax.Array, proj: str, prefix: str, j: int):
+def _fill_fused_experts(read: _Reader, buf: _Buffer, proj: str, prefix: str, j: int) -> _Buffer:
     """Expert weights in transformers 5's fused layout (`save_pretrained(...,
     save_original_format=False)`): `gate_up_proj` `(E, 2F, D)` (the gate rows first) and
     `down_proj` `(E, D, F)`, each expert's block an `(out, in)` weight."""
@@ -731,15 +747,16 @@ def load_hf(
         Llama, config, policy, key=jax.ShapeDtypeStruct((2,), jnp.uint32)
     )
     read = _Reader(folder)
-    new = lambda shape_dtype: jnp.zeros(shape_dtype.shape, dtype)
+    new = lambda shape_dtype: _new_buffer(shape_dtype, dtype)
+    done = lambda buf: jnp.asarray(buf) if isinstance(buf, np.ndarray) else buf
     getters: list[Callable] = [lambda m: m.embed, lambda m: m.norm.weight]
     values = [
-        read.fill(new(abstract.embed), (), "model.embed_tokens.weight"),
-        read.fill(new(abstract.norm.weight), (), "model.norm.weight"),
+        done(read.fill(new(abstract.embed), (), "model.embed_tokens.weight")),
+        done(read.fill(new(abstract.norm.weight), (), "model.norm.weight")),
     ]
     if not config.tie_embeddings:
         getters.append(lambda m: m.head)
-        values.append(read.fill(new(abstract.head), (), "lm_head.weight"))
+        values.append(done(read.fill(new(abstract.head), (), "lm_head.weight")))
     for s, (moe, layer_ids) in enumerate(_stacks(config)):
         for field, names, experts in _layer_spec(config, moe):
             get = lambda m, s=s, field=field: operator.attrgetter(field)(m.layers[s])
@@ -753,7 +770,7 @@ def load_hf(
                 for e, name in enumerate(names(prefix)):
                     buf = read.fill(buf, (j, e) if experts else (j,), name, transpose=experts)
             getters.append(get)
-            values.append(buf)
+            values.append(done(buf))
     if config.tie_embeddings:
         read.used.add("lm_head.weight")  # some tied checkpoints store the copy
     unused = read.unused()

@@ -1,6 +1,7 @@
 """Local Hugging Face checkpoints: reading HF naming, bit-exact round trips, transformers."""
 
 import json
+import pathlib
 
 import equinox as eqx
 import jax
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from models import config_from_hf, Llama, load_hf, MoE, save_hf
+from models import _hf, config_from_hf, Llama, load_hf, MoE, save_hf
 from policies import Phi2D, Policy, TwoWayEC
 
 from .test_models import np_forward
@@ -139,8 +140,14 @@ def _np_params_from_hf(hf: dict, t: dict) -> dict:
     )
 
 
-@pytest.mark.parametrize("kind,shards", [("llama", 1), ("qwen3", 2), ("qwen3_moe", 3)])
-def test_load_hf_naming_and_logits(kind, shards, tmp_path):
+@pytest.mark.parametrize(
+    "kind,shards,in_place",
+    [("llama", 1, False), ("qwen3", 2, True), ("qwen3_moe", 3, False), ("qwen3_moe", 1, True)],
+)
+def test_load_hf_naming_and_logits(kind, shards, in_place, tmp_path, monkeypatch):
+    if in_place:  # every parameter filled on the device, in chunks of a few rows
+        monkeypatch.setattr(_hf, "_INPLACE_BYTES", 0)
+        monkeypatch.setattr(_hf, "_CHUNK_BYTES", 200)
     hf = _hf_config(kind)
     tensors = _hf_tensors(hf)
     _write(tmp_path, hf, tensors, shards)
@@ -169,15 +176,18 @@ def test_load_hf_naming_and_logits(kind, shards, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
-def test_round_trip_bit_exact(kind, tmp_path):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_round_trip_bit_exact(kind, dtype, tmp_path):
     hf = _hf_config(kind)
     _write(tmp_path / "a", hf, _hf_tensors(hf, seed=1))
     policy = Policy(Phi2D(), TwoWayEC())
-    model = load_hf(tmp_path / "a", policy=policy)
+    model = load_hf(tmp_path / "a", policy=policy, dtype=dtype)
     save_hf(model, tmp_path / "b")
     save_hf(model, tmp_path / "c", shards=2)
+    header = _hf._read_header(tmp_path / "b" / "model.safetensors")
+    assert {e.dtype for e in header.values()} == {np.dtype(dtype)}
     for folder in ("b", "c"):
-        again = load_hf(tmp_path / folder, policy=policy)
+        again = load_hf(tmp_path / folder, policy=policy, dtype=dtype)
         assert again.config == model.config
         a, b = eqx.filter(model, eqx.is_array), eqx.filter(again, eqx.is_array)
         assert jax.tree.structure(a) == jax.tree.structure(b)
@@ -225,23 +235,82 @@ def test_load_options_and_errors(tmp_path):
         load_hf(tmp_path / "shape")
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
-def test_logits_match_transformers(kind, tmp_path):
-    """Same random tiny checkpoint, same logits as `LlamaForCausalLM` / `Qwen3MoeForCausalLM`
-    (skipped unless `transformers` and `torch` are installed)."""
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    hf = _hf_config(kind)
-    if kind == "qwen3_moe":
-        hf = dict(hf, mlp_only_layers=[])  # HF's Qwen3-MoE with every layer sparse
-    tensors = _hf_tensors(hf, seed=2)
-    _write(tmp_path, hf, tensors)
-    ref_model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tmp_path), torch_dtype=torch.float32
+def _bases() -> dict[str, dict]:
+    return {mt: _hf_config(mt) for mt in ("llama", "qwen3", "qwen3_moe")}
+
+
+# Keys that replace one another: testing one drops the other from the base config.
+_TWINS = {
+    "num_local_experts": "num_experts",
+    "num_experts": "num_local_experts",
+    "rope_parameters": "rope_scaling",
+    "rope_scaling": "rope_parameters",
+}
+
+
+def _with(base: dict, key: str, value) -> dict:
+    out = {k: v for k, v in base.items() if k != _TWINS.get(key)}
+    out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("key", sorted(_hf._KEYS))
+def test_every_config_key_is_read_checked_or_ignored(key):
+    """`read` keys change the configuration, `checked` ones raise naming the key at a value
+    s3req does not implement, `ignored` ones change nothing (the table of the models guide)."""
+    spec = _hf._KEYS[key]
+    bases = {mt: b for mt, b in _bases().items() if not spec.classes or mt in spec.classes}
+    if spec.kind == "read" and key != "model_type":
+        changed = []
+        for mt, base in bases.items():
+            try:
+                changed.append(
+                    config_from_hf(_with(base, key, spec.example)) != config_from_hf(base)
+                )
+            except (ValueError, NotImplementedError):
+                pass
+        assert any(changed), f"{key}: {spec.example!r} changes no configuration"
+    if spec.refused is not None:
+        for base in bases.values():
+            with pytest.raises(NotImplementedError, match=f"`{key}: "):
+                config_from_hf(_with(base, key, spec.refused))
+    if spec.kind == "checked":
+        assert spec.refused is not None
+    if spec.kind == "ignored":
+        for base in bases.values():
+            assert config_from_hf(dict(base, **{key: ["junk"]})) == config_from_hf(base)
+
+
+def test_guide_lists_every_config_key():
+    """The table in docs/guides/models.md is `_hf._keys_markdown()` (regenerate it with
+    `python -c "from models._hf import _keys_markdown; print(_keys_markdown())"`)."""
+    page = (pathlib.Path(__file__).resolve().parent.parent / "docs/guides/models.md").read_text()
+    start, end = "<!-- hf-keys:start -->\n", "\n<!-- hf-keys:end -->"
+    assert start in page and end in page
+    assert page.split(start)[1].split(end)[0] == _hf._keys_markdown()
+
+
+def test_older_and_newer_config_forms_agree():
+    """The same model written by transformers 5 and by older versions: one configuration."""
+    new = dict(
+        _hf_config("qwen3_moe"),
+        rope_parameters=dict(rope_type="default", rope_theta=1e6),
+        num_local_experts=4,
+        dtype="bfloat16",
     )
-    tokens = np.random.default_rng(0).integers(0, hf["vocab_size"], (2, 10))
-    with torch.no_grad():
-        want = ref_model(torch.tensor(tokens)).logits.numpy()
-    model = load_hf(tmp_path)
-    got = eqx.filter_jit(lambda m, t: m(t))(model, jnp.asarray(tokens, jnp.int32))
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+    del new["num_experts"]
+    old = dict(_hf_config("qwen3_moe"), rope_theta=1e6, rope_scaling=None, torch_dtype="bfloat16")
+    assert config_from_hf(new) == config_from_hf(old)
+    assert config_from_hf(new).rope_theta == 1e6 and config_from_hf(new).moe.n_experts == 4
+    both = dict(new, num_experts=5)
+    with pytest.raises(ValueError, match="disagree"):
+        config_from_hf(both)
+    llama = _hf_config("llama")  # older form: rope_theta 500 and llama3 rope_scaling
+    moved = dict(llama, rope_parameters=dict(llama["rope_scaling"], rope_theta=500.0))
+    del moved["rope_scaling"], moved["rope_theta"]
+    assert config_from_hf(moved) == config_from_hf(llama)
+    assert config_from_hf(dict(llama, rope_parameters=moved["rope_parameters"])) == config_from_hf(
+        llama
+    )
+    with pytest.raises(ValueError, match="disagree"):
+        config_from_hf(dict(llama, rope_parameters=dict(rope_type="default", rope_theta=500.0)))
