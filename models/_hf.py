@@ -7,9 +7,9 @@ the transformers config classes of these architectures define has a row in `_KEY
 accepted only at the value s3req implements, or ignored because it does not change the maths.
 
 The safetensors files are read and written here, tensor by tensor (row chunks of at most
-`_CHUNK_BYTES`), with NumPy and `ml_dtypes` (bfloat16): the `safetensors` package's NumPy
-backend cannot hold bfloat16, and reading into preallocated parameters keeps the peak memory
-of `load_hf` at one copy of the parameters plus a few chunks.
+`_CHUNK_BYTES`), with NumPy (bfloat16 as JAX's `ml_dtypes` type): the `safetensors`
+package's NumPy backend cannot hold bfloat16, and reading into preallocated parameters keeps
+the peak memory of `load_hf` at one copy of the parameters plus a few chunks.
 
 Weight layouts: a Hugging Face `nn.Linear` weight is `(out, in)`, as [`s3req.QuantLinear`][];
 expert weights are stacked as `(n_experts, in, out)`.
@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterator
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from s3req import AbstractPolicy
@@ -198,7 +197,11 @@ _KEYS: dict[str, _Key] = {
     ),
     "partial_rotary_factor": _Key((), "checked", "older place; must be 1", refused=0.5),
     "original_max_position_embeddings": _Key(
-        (), "read", "of `llama3` rope; wins over `rope_parameters`', as in transformers", 16
+        (),
+        "read",
+        "top-level place of the `llama3` pre-training length; wins over the one in "
+        "`rope_parameters`, as in transformers",
+        16,
     ),
     "torch_dtype": _Key((), "ignored", "older name of `dtype`"),
     "output_attentions": _Key((), "ignored", "what transformers returns"),
@@ -510,11 +513,11 @@ _DTYPES = {
     "F64": np.dtype("<f8"),
     "F32": np.dtype("<f4"),
     "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "BF16": np.dtype(jnp.bfloat16),
 }
 _CODES = {v: k for k, v in _DTYPES.items()}
-_CHUNK_BYTES = 1 << 24  # rows read (and converted) per step: 16 MiB
-_INPLACE_BYTES = 1 << 26  # larger parameters are filled in place on the device: 64 MiB
+_CHUNK_BYTES = 1 << 22  # rows read (and converted) per step: 4 MiB
+_INPLACE_BYTES = 1 << 24  # larger parameters are filled in place on the device: 16 MiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -624,8 +627,8 @@ def _fill_rows(buf: _Buffer, index: tuple[int, ...], entry: _Entry, transpose: b
         if isinstance(buf, np.ndarray):
             v = chunk.T if transpose else chunk
             buf[index + tuple(slice(a, a + n) for a, n in zip(at, v.shape))] = v
-        else:
-            buf = _write_into(buf, index + at, chunk, transpose)
+        else:  # one chunk at a time: no queue of pending chunks builds up
+            buf = _write_into(buf, index + at, chunk, transpose).block_until_ready()
     return buf
 
 

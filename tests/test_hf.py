@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from models import _hf, config_from_hf, Llama, load_hf, MoE, save_hf
+from models import _hf, config_from_hf, count_params, Llama, LlamaConfig, load_hf, MoE, save_hf
 from policies import Phi2D, Policy, TwoWayEC
 
 from .test_models import np_forward
@@ -301,7 +301,8 @@ def test_older_and_newer_config_forms_agree():
     del new["num_experts"]
     old = dict(_hf_config("qwen3_moe"), rope_theta=1e6, rope_scaling=None, torch_dtype="bfloat16")
     assert config_from_hf(new) == config_from_hf(old)
-    assert config_from_hf(new).rope_theta == 1e6 and config_from_hf(new).moe.n_experts == 4
+    moe = config_from_hf(new).moe
+    assert config_from_hf(new).rope_theta == 1e6 and moe is not None and moe.n_experts == 4
     both = dict(new, num_experts=5)
     with pytest.raises(ValueError, match="disagree"):
         config_from_hf(both)
@@ -314,3 +315,24 @@ def test_older_and_newer_config_forms_agree():
     )
     with pytest.raises(ValueError, match="disagree"):
         config_from_hf(dict(llama, rope_parameters=dict(rope_type="default", rope_theta=500.0)))
+
+
+def test_load_holds_one_copy_of_the_parameters(tmp_path):
+    """The peak resident memory of a fresh process loading a 420 MB float32 model from a
+    bfloat16 checkpoint stays below 1.5 copies of the parameters: a loader that held the
+    parameters twice (say, all tensors read, then converted) would need 2 copies."""
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "experiments/hf_load_memory.py"
+    spec = importlib.util.spec_from_file_location("hf_load_memory", path)
+    assert spec is not None and spec.loader is not None
+    mem = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mem)
+    config = LlamaConfig(
+        vocab_size=4096, max_seq_len=64, d_model=1024, n_layers=6, n_heads=8, n_kv_heads=2,
+        d_ff=4096,
+    )  # fmt: skip
+    mem.write_checkpoint(config, tmp_path, shards=3)
+    r = mem.measure_load(tmp_path, "float32")
+    assert r["params"] == 4 * count_params(config)
+    assert r["transient"] < r["params"] / 2, r

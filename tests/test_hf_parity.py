@@ -10,6 +10,7 @@ import inspect
 import json
 import re
 import shutil
+import typing
 
 import equinox as eqx
 import jax
@@ -178,6 +179,7 @@ def test_transformers_checkpoints_both_config_forms(checkpoints, kind, dtype):
         assert _rel(_ours(model, tokens), want) < TOL
     # The options under test change the logits far beyond the tolerance, so a loader that
     # dropped them would fail above.
+    wrong: dict[str, typing.Any]
     if config.moe is not None:
         wrong = dict(moe=dataclasses.replace(config.moe, norm_topk_prob=True))
     else:
