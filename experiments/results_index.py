@@ -1,7 +1,7 @@
 """Write the paper-versus-ours summary of `docs/results/index.md` from the results JSON files.
 
-Reads `table1_<scale>.json`, `table2.json`, `table3_ffn_speed.json`, `table4_full_step.json`
-and `theory.json` from `--dir` and replaces the block between the markers
+Reads `table1_<scale>.json`, `table2.json`, `table3_ffn_speed.json`, `table4_full_step.json`,
+`theory.json` and `hf_load_memory.json` from `--dir` and replaces the block between the markers
 `<!-- paper-vs-ours:start -->` and `<!-- paper-vs-ours:end -->` of `index.md` (appended when
 the markers are missing); the rest of the page is kept. A table whose JSON is missing is
 listed as not generated.
@@ -208,6 +208,22 @@ def theory(d: pathlib.Path) -> list[str]:
     ]
 
 
+def hf_memory(d: pathlib.Path) -> list[str]:
+    s = _load(d, "hf_load_memory.json")
+    if s is None:
+        return ["HF loading memory: not generated yet (`python experiments/hf_load_memory.py`)."]
+    e = s["estimate_8b"]
+    return [
+        "### Loading a Hugging Face checkpoint ([page](hf_load_memory.md))",
+        "",
+        f"`python experiments/hf_load_memory.py`. Peak host memory of `load_hf` on the "
+        f"{s['checkpoint_bytes'] / 1e9:.2f} GB bfloat16 checkpoint of `{s['preset']}`: "
+        f"{e['float32']['peak'] / 1e9:.2f} GB as float32 parameters "
+        f"({e['float32']['params'] / 1e9:.2f} GB of them), "
+        f"{e['bfloat16']['peak'] / 1e9:.2f} GB as bfloat16 ones.",
+    ]
+
+
 def render(d: pathlib.Path) -> str:
     parts = [
         START,
@@ -218,7 +234,7 @@ def render(d: pathlib.Path) -> str:
         "below; each table names the command that regenerates it.",
         "",
     ]
-    for fn in (table1, table2, table3, table4, theory):
+    for fn in (table1, table2, table3, table4, theory, hf_memory):
         parts += fn(d) + [""]
     parts.append(END)
     return "\n".join(parts) + "\n"

@@ -568,10 +568,21 @@ def _rows(entry: _Entry) -> Iterator[tuple[int, np.ndarray]]:
 
 @ft.partial(jax.jit, static_argnames="transpose", donate_argnums=0)
 def _write_into(buf: jax.Array, starts: tuple, value: jax.Array, transpose: bool) -> jax.Array:
-    """`buf` with `value` (cast, transposed if asked) written at `starts`, in place."""
-    v = (value.T if transpose else value).astype(buf.dtype)
+    """`buf` with `value` (of its dtype; transposed if asked) written at `starts`, in place."""
+    v = value.T if transpose else value
     v = v.reshape((1,) * (buf.ndim - v.ndim) + v.shape)
     return jax.lax.dynamic_update_slice(buf, v, starts)
+
+
+# XLA's CPU backend computes a bfloat16 dynamic_update_slice in float32 over the whole
+# buffer (a full copy per chunk), so bfloat16 parameters are filled as their uint16 bits
+# and reinterpreted once at the end (a donated bitcast, in place).
+_BF16_BITS = np.dtype(np.uint16)
+
+
+@ft.partial(jax.jit, donate_argnums=0)
+def _bits_to_bf16(buf: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(buf, jnp.bfloat16)
 
 
 _Buffer = np.ndarray | jax.Array
@@ -628,7 +639,10 @@ def _fill_rows(buf: _Buffer, index: tuple[int, ...], entry: _Entry, transpose: b
             v = chunk.T if transpose else chunk
             buf[index + tuple(slice(a, a + n) for a, n in zip(at, v.shape))] = v
         else:  # one chunk at a time: no queue of pending chunks builds up
-            buf = _write_into(buf, index + at, chunk, transpose).block_until_ready()
+            bits = buf.dtype == _BF16_BITS
+            v = chunk.astype(_DTYPES["BF16"] if bits else buf.dtype)
+            v = v.view(_BF16_BITS) if bits else v
+            buf = _write_into(buf, index + at, v, transpose).block_until_ready()
     return buf
 
 
@@ -638,7 +652,14 @@ def _new_buffer(shape_dtype: jax.ShapeDtypeStruct, dtype: typing.Any) -> _Buffer
     dt = np.dtype(jnp.dtype(dtype))
     if math.prod(shape_dtype.shape) * dt.itemsize <= _INPLACE_BYTES:
         return np.empty(shape_dtype.shape, dt)
-    return jnp.zeros(shape_dtype.shape, dt)
+    return jnp.zeros(shape_dtype.shape, _BF16_BITS if dt == _DTYPES["BF16"] else dt)
+
+
+def _finish(buf: _Buffer) -> jax.Array:
+    """The device array of a filled parameter."""
+    if isinstance(buf, np.ndarray):
+        return jnp.asarray(buf)
+    return _bits_to_bf16(buf) if buf.dtype == _BF16_BITS else buf
 
 
 # Each entry: (path inside a DecoderLayer, Hugging Face names of one layer, stacked experts?)
@@ -751,15 +772,15 @@ def load_hf(
     )
     read = _Reader(folder)
     new = lambda shape_dtype: _new_buffer(shape_dtype, dtype)
-    done = lambda buf: jnp.asarray(buf) if isinstance(buf, np.ndarray) else buf
+
     getters: list[Callable] = [lambda m: m.embed, lambda m: m.norm.weight]
     values = [
-        done(read.fill(new(abstract.embed), (), "model.embed_tokens.weight")),
-        done(read.fill(new(abstract.norm.weight), (), "model.norm.weight")),
+        _finish(read.fill(new(abstract.embed), (), "model.embed_tokens.weight")),
+        _finish(read.fill(new(abstract.norm.weight), (), "model.norm.weight")),
     ]
     if not config.tie_embeddings:
         getters.append(lambda m: m.head)
-        values.append(done(read.fill(new(abstract.head), (), "lm_head.weight")))
+        values.append(_finish(read.fill(new(abstract.head), (), "lm_head.weight")))
     for s, (moe, layer_ids) in enumerate(_stacks(config)):
         for field, names, experts in _layer_spec(config, moe):
             get = lambda m, s=s, field=field: operator.attrgetter(field)(m.layers[s])
@@ -773,7 +794,7 @@ def load_hf(
                 for e, name in enumerate(names(prefix)):
                     buf = read.fill(buf, (j, e) if experts else (j,), name, transpose=experts)
             getters.append(get)
-            values.append(done(buf))
+            values.append(_finish(buf))
     if config.tie_embeddings:
         read.used.add("lm_head.weight")  # some tied checkpoints store the copy
     unused = read.unused()
