@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> str:
     import sys
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--dir", default=str(ROOT / "docs" / "results"))
     args = ap.parse_args(argv)
     d = pathlib.Path(args.dir)
