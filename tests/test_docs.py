@@ -12,6 +12,7 @@ import pytest
 import models
 import policies
 import s3req
+import s3req.flax
 import s3req.tpu
 import s3req.train
 
@@ -24,7 +25,7 @@ def _api_text() -> str:
 
 
 @pytest.mark.parametrize(
-    "pkg", [s3req, policies, models, s3req.train, s3req.tpu], ids=lambda p: p.__name__
+    "pkg", [s3req, policies, models, s3req.train, s3req.tpu, s3req.flax], ids=lambda p: p.__name__
 )
 def test_every_public_name_has_an_api_entry(pkg):
     text = _api_text()
