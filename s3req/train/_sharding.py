@@ -90,7 +90,13 @@ def _spec_for(path, shape: tuple[int, ...], mesh: Mesh) -> P:
     elif field == "w_down" and len(shape) >= 3:  # (..., experts, d_expert, d_model)
         axes[-2], axes[-1] = "tp", "fsdp"
     elif field in ("embed", "head") and len(shape) == 2:  # (vocab, d_model)
-        axes[0], axes[1] = "tp", "fsdp"
+        # Both mesh axes split the vocabulary: with `fsdp` on `d_model`, XLA's SPMD partitioner
+        # mis-sliced the embedding gather (whose token batch is also split over `fsdp`) on
+        # some meshes: "Slice dim size 32 greater than dynamic slice dimension: 16" (hlo
+        # verifier) on fsdp=2,tp=4 with two-way EC.
+        if shape[0] % (mesh.shape["tp"] * mesh.shape["fsdp"]) == 0:
+            return P(("tp", "fsdp"), None)
+        axes[0] = "tp"
     # An axis that does not divide its dimension is left unsplit.
     for i, a in enumerate(axes):
         if a is not None and shape[i] % mesh.shape[a]:
