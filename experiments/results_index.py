@@ -1,10 +1,10 @@
 """Write the paper-versus-ours summary of `docs/results/index.md` from the results JSON files.
 
 Reads `table1_<scale>.json`, `table2.json`, `table3_ffn_speed.json`, `table4_full_step.json`,
-`theory.json` and `hf_load_memory.json` from `--dir` and replaces the block between the markers
-`<!-- paper-vs-ours:start -->` and `<!-- paper-vs-ours:end -->` of `index.md` (appended when
-the markers are missing); the rest of the page is kept. A table whose JSON is missing is
-listed as not generated.
+`tpu_compile.json`, `tpu_table4.json`, `theory.json` and `hf_load_memory.json` from `--dir`
+and replaces the block between the markers `<!-- paper-vs-ours:start -->` and
+`<!-- paper-vs-ours:end -->` of `index.md` (appended when the markers are missing); the rest
+of the page is kept. A table whose JSON is missing is listed as not generated.
 
     python experiments/results_index.py                     # after the scripts below ran
     python experiments/results_index.py --dir /tmp/r        # smoke test
@@ -224,6 +224,61 @@ def hf_memory(d: pathlib.Path) -> list[str]:
     ]
 
 
+def tpu(d: pathlib.Path) -> list[str]:
+    c, t4 = _load(d, "tpu_compile.json"), _load(d, "tpu_table4.json")
+    if c is None and t4 is None:
+        return ["TPU v5p compile: not generated yet (`python benchmarks/tpu_compile.py`)."]
+    out = [
+        "### TPU v5p compile: memory and program structure ([Table III shapes](tpu_compile.md), "
+        "[Table IV step](tpu_table4.md))",
+        "",
+        "`python benchmarks/tpu_compile.py`: compiled for v5p 2x2x1 on a CPU machine with "
+        "libtpu (no TPU ran; memory is XLA's compile-time analysis per chip, the paper's "
+        "Table IV method). Ranges over the compiled FFN shapes (W1..W9) and, for the full "
+        "step, over the dense models cut to a few layers.",
+        "",
+        "| claim | paper | ours |",
+        "| --- | --- | --- |",
+    ]
+
+    def span(v: list[float], spec: str, unit: str = "") -> str:
+        return f"{format(min(v), spec)}{unit} to {format(max(v), spec)}{unit}" if v else "n/a"
+
+    rows = [r["policies"] for r in (c or {}).get("ffn", {}).values() if r.get("policies")]
+    temp = lambda P, p: P[p]["memory"]["temporaries"]
+    over = lambda a, b: [100 * (temp(P, a) / temp(P, b) - 1) for P in rows if a in P and b in P]
+    ops = lambda a: [
+        P[a]["vector_ops_per_upstream_element"] - P["rtne"]["vector_ops_per_upstream_element"]
+        for P in rows
+        if a in P and "rtne" in P
+    ]
+    out += [
+        f"| S3R temporaries over RTNE, FFN block | 0 | {span(over('s3r', 'rtne'), '+.1f', '%')} |",
+        "| S3R-EC dX-only temporaries over S3R, FFN block | +8 to +14% (both variants) "
+        f"| {span(over('s3r-ec-dx', 's3r'), '+.1f', '%')} |",
+        "| S3R-EC two-way temporaries over S3R, FFN block | +8 to +14% (both variants) "
+        f"| {span(over('s3r-ec-2way', 's3r'), '+.1f', '%')} |",
+        "| vector ops per gradient element over RTNE: Independent SR | +120 to +133 (from time) "
+        f"| {span(ops('sr'), '+.0f')} (static HLO count) |",
+        f"| ... S3R | -2 to +6 | {span(ops('s3r'), '+.1f')} |",
+        f"| ... S3R-EC two-way / dX-only | +15 to +23 | {span(ops('s3r-ec-2way'), '+.1f')} / "
+        f"{span(ops('s3r-ec-dx'), '+.1f')} |",
+    ]
+    dense = [
+        m["policies"]
+        for n, m in (t4 or {}).get("models", {}).items()
+        if n in ("Llama 3.1-8B", "Qwen3-8B")
+    ]
+    tot = lambda P, p: P[p]["memory"]["total"]
+    diff = lambda a, b: [(tot(P, a) - tot(P, b)) / 1e9 for P in dense if a in P and b in P]
+    out += [
+        f"| full step, dense: S3R - RTNE (GB) | 0 | {span(diff('s3r', 'rtne'), '+.3f')} |",
+        "| full step, dense: S3R-EC two-way - S3R (GB) | at most +0.4 "
+        f"| {span(diff('s3r-ec-2way', 's3r'), '+.3f')} (layer cut) |",
+    ]
+    return out
+
+
 def render(d: pathlib.Path) -> str:
     parts = [
         START,
@@ -234,7 +289,7 @@ def render(d: pathlib.Path) -> str:
         "below; each table names the command that regenerates it.",
         "",
     ]
-    for fn in (table1, table2, table3, table4, theory, hf_memory):
+    for fn in (table1, table2, table3, table4, tpu, theory, hf_memory):
         parts += fn(d) + [""]
     parts.append(END)
     return "\n".join(parts) + "\n"

@@ -3,6 +3,7 @@
 import importlib.util
 import pathlib
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +12,6 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import s3req.tpu
-from policies import PRESETS
-from s3req import qdot
 from s3req.tpu import compile_for_tpu, parse_gemms, tpu_mesh
 from s3req.tpu._hlo import program_structure
 
@@ -138,28 +137,25 @@ def test_missing_libtpu_names_the_fix(monkeypatch):
 
 def test_not_imported_by_s3req():
     import subprocess
-    import sys
 
     code = "import sys, s3req; print('s3req.tpu' in sys.modules, 'libtpu' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.split() == ["False", "False"], out.stderr
 
 
+def _benchmark():
+    """`benchmarks/tpu_compile.py` as a module (its builders are the ones the pages use)."""
+    benchmarks = str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    import tpu_compile
+
+    return tpu_compile
+
+
 def _layer(name):
-    """Compile one qdot forward + backward under preset `name` for v5p 2x2x1, batch-sharded."""
-    policy = PRESETS[name]
-    mesh = tpu_mesh()
-    batch = NamedSharding(mesh, PartitionSpec("data"))
-    x = jax.ShapeDtypeStruct((B, S, H), jnp.bfloat16, sharding=batch)
-    w = jax.ShapeDtypeStruct((H, D), jnp.float32)
-    g = jax.ShapeDtypeStruct((B, S, D), jnp.bfloat16, sharding=batch)
-    key = jax.ShapeDtypeStruct((), jr.key(0).dtype)
-
-    def fwd_bwd(x, w, g, key):
-        y, vjp = jax.vjp(lambda x, w: qdot(x, w, policy=policy, key=key), x, w)
-        return y, vjp(g)
-
-    return compile_for_tpu(fwd_bwd, x, w, g, key, mesh=mesh, upstream=[g])
+    """One qdot forward + backward under preset `name` for v5p 2x2x1, batch-sharded."""
+    return _benchmark().compile_layer(name, tpu_mesh(), B, S, H, D)
 
 
 @pytest.fixture(scope="module")
@@ -247,3 +243,20 @@ def test_guide_example_runs():
         for block in blocks:
             exec(compile(block, str(path), "exec"), namespace)
     assert set(namespace["programs"]) == {"rtne", "s3r"}
+
+
+@needs_libtpu
+def test_benchmark_smoke(tmp_path):
+    """`benchmarks/tpu_compile.py --smoke` writes both pages and their JSON, and reruns merge."""
+    tpu_compile = _benchmark()
+    base = ["--smoke", "--out", str(tmp_path), "--shapes", "W1"]
+    tpu_compile.main(base + ["--parts", "layer,ffn", "--policies", "rtne,s3r"])
+    res = tpu_compile.main(base + ["--parts", "layer,table4", "--policies", "s3r-ec-dx"])
+    layer = res["compile"]["layer"]
+    assert set(layer) == {"rtne", "s3r", "s3r-ec-dx"}  # merged with the first run
+    assert all(r["layer_gemms"] == ["s8 x s8 -> s32"] * 3 for r in layer.values())
+    assert set(res["compile"]["ffn"]["W1"]["policies"]) == {"rtne", "s3r"}
+    assert set(res["table4"]["models"]["tiny"]["policies"]) == {"s3r-ec-dx"}
+    page = (tmp_path / "tpu_compile.md").read_text()
+    assert page.startswith("# TPU v5p compile") and "not a measured time" in page
+    assert "python benchmarks/tpu_compile.py" in (tmp_path / "tpu_table4.md").read_text()

@@ -150,8 +150,10 @@ class TPUProgram:
       an `s32` result.
     - `largest_u32`: the largest `u32` buffer (an [`s3req.tpu.HloTensor`][]) the program
       writes to memory, or `None`. Random words that stay inside a fusion never become
-      buffers: for Phi2D/PhiBcast thresholds this is a few words per token or example; for
-      Independent SR a gradient-sized tensor.
+      buffers: for Phi2D/PhiBcast this is a few words per token or example. On TPU v5p the
+      compiler also fuses Independent SR's per-element Threefry into the quantizer, so its
+      words are not stored either (its cost is vector work); a program that keeps random
+      words (returns them, or feeds them to two kernels) shows them here.
     - `fusions`: the number of fusion instructions outside fusions (kernels of the program).
     - `backward_vector_ops`: vector operations of the backward pass, counted as follows.
       The backward is every instruction whose JAX metadata (`op_name`) contains

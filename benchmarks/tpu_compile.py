@@ -1,0 +1,608 @@
+"""Compile for TPU v5p on this machine (ahead of time, no TPU) and report what the compiler did.
+
+Uses `s3req.tpu` (needs libtpu: `pip install "s3req[tpu]"`) for every policy preset:
+
+- `layer`: one qdot forward + backward, x (16, 4096, 1024) @ w (1024, 4096), bf16 activations
+  and gradient, float32 weights, the batch split over the 4 chips of v5p 2x2x1;
+- `ffn`: the SwiGLU FFN block (`models.FFN`, the builder of `experiments/table3_ffn_speed.py`)
+  forward + backward at the paper's W1..W9 shapes, 16 x 4096 tokens batch-split over 2x2x1;
+- `table4`: the full training step of `experiments/table4_full_step.py` (loss, INT8 backward,
+  clipping, AdamW) of Llama 3.1-8B, Qwen3-8B, Qwen3-30B-A3B and DeepSeek-V2-Lite cut to
+  `--layers` layers (real widths and vocabulary, full remat, bf16 activations), 4 x 4096
+  tokens per chip, parameters and optimizer state FSDP x TP sharded (`s3req.train`'s rules)
+  on a 2 x 2 mesh of v5p 2x2x1.
+
+Per program: XLA's memory analysis, the GEMMs of the optimized HLO with their dtypes, the
+largest materialized u32 buffer, fusions, backward vector operations per upstream-gradient
+element, and the compiler's cost model (a model, never a time). Results merge into
+`tpu_compile.json` / `tpu_table4.json` under `--out` after every compile (a rerun fills gaps
+and replaces the rows it recompiles), and the pages `tpu_compile.md` / `tpu_table4.md` are
+rewritten from them.
+
+    python benchmarks/tpu_compile.py                                # everything (~1-2 h)
+    python benchmarks/tpu_compile.py --parts layer,ffn --shapes W2,W4
+    python benchmarks/tpu_compile.py --parts table4 --models llama3.1-8b
+    python benchmarks/tpu_compile.py --smoke --out /tmp/tpu            # small shapes
+    python benchmarks/tpu_compile.py --pages                           # pages from the JSON
+"""
+
+import argparse
+import json
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import table3_ffn_speed as t3  # noqa: E402
+import table4_full_step as t4  # noqa: E402
+
+import models  # noqa: E402
+from policies import PRESETS  # noqa: E402
+from s3req import qdot  # noqa: E402
+from s3req.tpu import compile_for_tpu, tpu_mesh, TPUProgram  # noqa: E402
+from s3req.train import make_optimizer, TrainConfig  # noqa: E402
+from s3req.train._sharding import _spec_for  # noqa: E402
+
+
+TOPOLOGY = "v5p:2x2x1"
+POLICIES = (
+    "bf16",
+    "rtne",
+    "sr",
+    "s3r",
+    "s3r-bcast",
+    "s3r-ec-dx",
+    "s3r-ec-2way",
+    "s3r-bcast-ec-dx",
+    "s3r-bcast-ec-2way",
+)
+LAYER = (16, 4096, 1024, 4096)  # B, S, H, D
+FFN_TOKENS = (16, 4096)
+TABLE4_MODELS = {
+    "Llama 3.1-8B": "llama3.1-8b",
+    "Qwen3-8B": "qwen3-8b",
+    "Qwen3-30B-A3B": "qwen3-30b-a3b",
+    "DeepSeek-V2-Lite": "deepseek-v2-lite",
+}
+DENSE = ("Llama 3.1-8B", "Qwen3-8B")
+# The paper (TPU v5p): on one FFN block both S3R-EC variants add 8-14% temporary memory;
+# S3R needs RTNE's full-step memory; two-way S3R-EC at most 0.4 GB more on the dense models.
+PAPER_EC_BLOCK = (8.0, 14.0)
+PAPER_TWO_WAY_STEP_GB = 0.4
+# Section IV-D: vector operations per upstream-gradient element over INT8 RTNE.
+PAPER_OPS = {"sr": "120 to 133", "s3r": "-2 to +6", "ec": "15 to 23 (most shapes)"}
+
+
+def _policy(name: str):
+    return None if name == "bf16" else PRESETS[name]
+
+
+def _facts(prog: TPUProgram, layer_macs: int | None = None) -> dict:
+    """The JSON row of one program; `layer_macs`: per-chip MACs of one layer GEMM."""
+    s = prog.summary()
+    gemms = s.pop("gemms")
+    big = [g for g in gemms if layer_macs and g["macs"] is not None and g["macs"] >= layer_macs]
+    s["layer_gemms"] = [g["signature"] for g in big]
+    s["n_gemms"] = len(gemms)
+    s["n_integer_gemms"] = len(prog.integer_gemms())
+    s["small_gemms"] = [
+        {"signature": g["signature"], "shape": g["shape"], "macs": g["macs"]}
+        for g in gemms
+        if g not in big
+    ]
+    return s
+
+
+def compile_layer(name: str, mesh, B: int, S: int, H: int, D: int) -> TPUProgram:
+    policy = _policy(name)
+    batch = NamedSharding(mesh, P("data"))
+    x = jax.ShapeDtypeStruct((B, S, H), jnp.bfloat16, sharding=batch)
+    w = jax.ShapeDtypeStruct((H, D), jnp.float32)
+    g = jax.ShapeDtypeStruct((B, S, D), jnp.bfloat16, sharding=batch)
+    key = jax.ShapeDtypeStruct((), jr.key(0).dtype)
+
+    def fwd_bwd(x, w, g, key):
+        y, vjp = jax.vjp(lambda x, w: qdot(x, w, policy=policy, key=key), x, w)
+        return y, vjp(g)
+
+    return compile_for_tpu(fwd_bwd, x, w, g, key, mesh=mesh, upstream=[g])
+
+
+def compile_ffn(name: str, mesh, h: int, d: int, batch: int, seq: int) -> TPUProgram:
+    """Table III's block (`table3_ffn_speed.fwd_bwd` on `models.FFN`), abstract weights."""
+    ffn = eqx.filter_eval_shape(models.FFN, h, d, _policy(name), key=jr.key(0))
+    split = NamedSharding(mesh, P("data"))
+    x = jax.ShapeDtypeStruct((batch, seq, h), jnp.bfloat16, sharding=split)
+    g = jax.ShapeDtypeStruct((batch, seq, h), jnp.bfloat16, sharding=split)
+    key = jax.ShapeDtypeStruct((), jr.key(0).dtype)
+    # Upstream gradients of the three projections: down's (tokens, h), gate's and up's
+    # (tokens, d) each.
+    inner = jax.ShapeDtypeStruct((batch, seq, d), jnp.bfloat16, sharding=split)
+    return compile_for_tpu(t3.fwd_bwd, ffn, x, g, key, mesh=mesh, upstream=[g, inner, inner])
+
+
+def _shard(tree, mesh):
+    """Give every `ShapeDtypeStruct` of a model or optimizer-state tree the FSDP x TP
+    sharding that `s3req.train.param_shardings` gives the same parameter."""
+    return jtu.tree_map_with_path(
+        lambda path, x: (
+            jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=NamedSharding(mesh, _spec_for(path, x.shape, mesh))
+            )
+            if isinstance(x, jax.ShapeDtypeStruct)
+            else x
+        ),
+        tree,
+        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct),
+    )
+
+
+def compile_step(name: str, mesh, preset: str, n_layers: int, seq: int, per_chip: int):
+    """Table IV's training step, abstract and sharded FSDP x TP over `mesh`."""
+    optimizer, _ = make_optimizer(TrainConfig())
+    step = t4.make_step(optimizer)
+    cfg = t4.config(preset, {"n_layers": n_layers})
+    model = eqx.filter_eval_shape(models.Llama, cfg, _policy(name), key=jr.key(0))
+    is_sds = lambda x: isinstance(x, jax.ShapeDtypeStruct)
+    dyn, static = eqx.partition(model, is_sds)
+    opt = jax.eval_shape(
+        lambda d: optimizer.init(eqx.filter(eqx.combine(d, static), eqx.is_inexact_array)), dyn
+    )
+    model, opt = _shard(model, mesh), _shard(opt, mesh)
+    batch = per_chip * mesh.devices.size
+    tokens = jax.ShapeDtypeStruct(
+        (batch, seq + 1), jnp.int32, sharding=NamedSharding(mesh, P("fsdp"))
+    )
+    key = jax.ShapeDtypeStruct((), jr.key(0).dtype)
+
+    def f(m, o, t, k):
+        m2, o2, loss = step(m, o, t, k)
+        return eqx.filter(m2, eqx.is_array), o2, loss
+
+    with jax.numpy_dtype_promotion("standard"):
+        return compile_for_tpu(f, model, opt, tokens, key, mesh=mesh), cfg, batch
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except OSError:
+        return "unknown"
+
+
+def _load(path: pathlib.Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _save(out: pathlib.Path, stem: str, data: dict, page) -> None:
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    (out / f"{stem}.md").write_text(page(data))
+
+
+def _meta(device_kind: str) -> dict:
+    return {
+        "topology": TOPOLOGY,
+        "device_kind": device_kind,
+        "platform": platform.platform(),
+        "jax": jax.__version__,
+        "commit": _commit(),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--parts", default="layer,ffn,table4")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--shapes", default=",".join(models.PAPER_FFN_SHAPES))
+    ap.add_argument("--models", default=",".join(TABLE4_MODELS.values()))
+    ap.add_argument("--layers", type=int, default=2, help="layers of the Table IV presets")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (a test of the script)")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    ap.add_argument("--pages", action="store_true", help="only rewrite the pages from the JSON")
+    args = ap.parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.pages:
+        for stem, page in (("tpu_compile", markdown), ("tpu_table4", markdown_table4)):
+            if (out / f"{stem}.json").is_file():
+                _save(out, stem, _load(out / f"{stem}.json"), page)
+        return {}
+    parts = args.parts.split(",")
+    pols = args.policies.split(",")
+    mesh = tpu_mesh(topology=TOPOLOGY)
+    kind = mesh.devices.flat[0].device_kind
+    layer = (8, 256, 256, 512) if args.smoke else LAYER
+    tokens = (8, 128) if args.smoke else FFN_TOKENS
+
+    data = _load(out / "tpu_compile.json")
+    data.setdefault("layer", {})
+    data.setdefault("ffn", {})
+    data["smoke"] = args.smoke
+    log = lambda msg: print(f"[tpu_compile] {msg}", file=sys.stderr, flush=True)
+    if "layer" in parts:
+        B, S, H, D = layer
+        for p in pols:
+            prog = compile_layer(p, mesh, B, S, H, D)
+            data["layer"][p] = _facts(prog, B * S * H * D // mesh.devices.size)
+            data["layer_shape"] = list(layer)
+            data["meta"] = _meta(kind)
+            _save(out, "tpu_compile", data, markdown)
+            log(f"layer {p}: temp {prog.memory.temporaries / 2**20:.1f} MiB")
+    if "ffn" in parts:
+        for w in args.shapes.split(","):
+            h, d = models.PAPER_FFN_SHAPES[w]
+            if args.smoke:
+                h, d = h // 8, d // 8
+            row = data["ffn"].setdefault(w, {"h": h, "d_ff": d, "tokens": list(tokens)})
+            row.update({"h": h, "d_ff": d, "tokens": list(tokens)})
+            for p in pols:
+                prog = compile_ffn(p, mesh, h, d, *tokens)
+                macs = tokens[0] * tokens[1] * h * d // mesh.devices.size
+                row.setdefault("policies", {})[p] = _facts(prog, macs)
+                data["meta"] = _meta(kind)
+                _save(out, "tpu_compile", data, markdown)
+                log(f"ffn {w} {p}: temp {prog.memory.temporaries / 2**20:.1f} MiB")
+    if "table4" in parts:
+        mesh2 = tpu_mesh({"fsdp": 2, "tp": 2}, topology=TOPOLOGY)
+        t4data = _load(out / "tpu_table4.json")
+        t4data.setdefault("models", {})
+        t4data["smoke"] = args.smoke
+        names = {v: k for k, v in TABLE4_MODELS.items()}
+        presets = ["tiny"] if args.smoke else args.models.split(",")
+        for preset in presets:
+            label = names.get(preset, preset)
+            seq, per_chip = (64, 1) if args.smoke else (4096, 4)
+            for p in pols:
+                t0 = time.perf_counter()
+                prog, cfg, batch = compile_step(p, mesh2, preset, args.layers, seq, per_chip)
+                m = t4data["models"].setdefault(label, {})
+                m.update(
+                    {
+                        "preset": preset,
+                        "n_layers": cfg.n_layers,
+                        "moe_layers": cfg.n_layers - cfg.moe.n_dense_layers if cfg.moe else 0,
+                        "seq": seq,
+                        "batch": batch,
+                        "params": models.count_params(cfg),
+                    }
+                )
+                m.setdefault("policies", {})[p] = {
+                    "memory": prog.summary()["memory"],
+                    "fusions": prog.fusions,
+                    "n_integer_gemms": len(prog.integer_gemms()),
+                    "largest_u32": prog.summary()["largest_u32"],
+                    "compile_seconds": prog.compile_seconds,
+                }
+                t4data["meta"] = _meta(kind) | {"mesh": dict(mesh2.shape)}
+                _save(out, "tpu_table4", t4data, markdown_table4)
+                log(
+                    f"table4 {label} {p}: total {prog.memory.total / 2**30:.2f} GiB, temp "
+                    f"{prog.memory.temporaries / 2**30:.2f} GiB ({time.perf_counter() - t0:.0f} s)"
+                )
+        return {"compile": data, "table4": t4data}
+    return {"compile": data}
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.1f}"
+
+
+def _pct(a: float, b: float) -> str:
+    return f"{100 * (a / b - 1):+.1f}%"
+
+
+def _over(P: dict, p: str, base: str) -> str:
+    if p not in P or base not in P:
+        return "—"
+    return _pct(P[p]["memory"]["temporaries"], P[base]["memory"]["temporaries"])
+
+
+def _ops(P: dict, p: str) -> str:
+    v = P.get(p, {}).get("vector_ops_per_upstream_element")
+    r = P.get("rtne", {}).get("vector_ops_per_upstream_element")
+    if v is None:
+        return "—"
+    return f"{v:.1f}" + (f" ({v - r:+.1f})" if r is not None and p != "rtne" else "")
+
+
+def _u32(P: dict, p: str) -> str:
+    u = P[p].get("largest_u32")
+    if u is None or not u["shape"]:
+        return "scalars only" if u is not None else "none"
+    return f"{tuple(u['shape'])} ({u['bytes'] / 2**10:.0f} KiB)"
+
+
+def _policy_table(P: dict) -> list[str]:
+    lines = [
+        "| policy | temporaries (MiB) | over RTNE | over its S3R | arguments + outputs (MiB) "
+        "| layer GEMMs | integer GEMMs | fusions | largest u32 buffer "
+        "| backward vector ops / element (over RTNE) | cost model: optimal_seconds (a model) |",
+        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: |",
+    ]
+    for p in POLICIES:
+        if p not in P:
+            continue
+        r = P[p]
+        base = "s3r-bcast" if p.startswith("s3r-bcast-") else "s3r"
+        mem = r["memory"]
+        sigs = r["layer_gemms"]
+        layer = f"{len(sigs)} x ({sigs[0]})" if sigs and len(set(sigs)) == 1 else "; ".join(sigs)
+        lines.append(
+            f"| {p} | {_mib(mem['temporaries'])} | {_over(P, p, 'rtne')} | "
+            f"{_over(P, p, base) if 'ec' in p else '—'} | "
+            f"{_mib(mem['arguments'] + mem['outputs'])} | {layer} | {r['n_integer_gemms']} | "
+            f"{r['fusions']} | {_u32(P, p)} | {_ops(P, p)} | "
+            f"{r['cost_model']['optimal_seconds']:.2e} |"
+        )
+    return lines
+
+
+def _header(meta: dict, cmd: str, title: str, ops: bool = True) -> list[str]:
+    return [
+        f"# {title}",
+        "",
+        f"Generated by `{cmd}` with `s3req.tpu` (libtpu's XLA TPU compiler, jax "
+        f"{meta['jax']}) on a CPU machine ({meta['platform']}), engine at commit "
+        f"`{meta['commit']}`: compiled ahead of time for {meta['topology']} "
+        f"({meta['device_kind']}, 4 chips); nothing ran on a TPU. Memory is per chip, from "
+        "XLA's compile-time buffer assignment (the paper's Table IV method); GEMMs, buffers "
+        "and fusions are read from the optimized HLO. The cost model's `optimal_seconds` is "
+        "the compiler's estimate, **not a measured time** (it prices neither int8 GEMMs at "
+        "twice bf16 nor Threefry's vector work)."
+        + (
+            " Vector ops / element: HLO operations on elements in the backward fusions per "
+            "element of the upstream gradients the quantizer rounds (a static count, see "
+            "`s3req.tpu.TPUProgram`); in brackets the difference to INT8 RTNE."
+            if ops
+            else ""
+        ),
+        "",
+    ]
+
+
+def markdown(s: dict) -> str:
+    meta = s["meta"]
+    cmd = "python benchmarks/tpu_compile.py" + (" --smoke" if s.get("smoke") else "")
+    lines = _header(meta, cmd, "TPU v5p compile: one layer and the FFN blocks of Table III")
+    if s["layer"]:
+        B, S, H, D = s["layer_shape"]
+        lines += [
+            f"## One layer: x ({B}, {S}, {H}) @ w ({H}, {D})",
+            "",
+            "qdot forward + backward, bf16 activations and gradient, float32 weights, the "
+            f"batch split over the 4 chips ({B // 4} x {S} tokens per chip). Layer GEMMs: those "
+            "with "
+            "at least one layer GEMM's multiply-adds (forward, dX, dW); integer GEMMs "
+            "include the error correction's thin int8 products.",
+            "",
+        ]
+        lines += _policy_table(s["layer"])
+    if s["ffn"]:
+        done = {w: r for w, r in s["ffn"].items() if r.get("policies")}
+        missing = [w for w in models.PAPER_FFN_SHAPES if w not in done]
+        lines += [
+            "",
+            "## SwiGLU FFN block (Table III shapes)",
+            "",
+            "`models.FFN` (gate, up, down) forward + backward as in "
+            "`experiments/table3_ffn_speed.py`, at the paper's exact (H, D_ffn), "
+            f"{' x '.join(map(str, next(iter(done.values()))['tokens']))} tokens batch-split "
+            "over the 4 chips. Vector ops per element of the three projections' upstream "
+            "gradients (tokens x (H + 2 D_ffn)). Shapes compiled: "
+            + ", ".join(done)
+            + (f" (not compiled: {', '.join(missing)})" if missing else "")
+            + ".",
+            "",
+            "Temporaries (MiB) per policy, and the S3R-EC surplus over S3R (paper: both "
+            f"variants add {PAPER_EC_BLOCK[0]:.0f}-{PAPER_EC_BLOCK[1]:.0f}% on one block; "
+            "targets: dX-only <= +5%, two-way <= +14%):",
+            "",
+            "| shape | (H, D_ffn) | "
+            + " | ".join(POLICIES)
+            + " | dX-only / S3R | two-way / S3R | bcast dX-only / bcast | bcast two-way / bcast |",
+            "| --- | --- |" + " ---: |" * (len(POLICIES) + 4),
+        ]
+        for w, r in done.items():
+            P_ = r["policies"]
+            cells = [_mib(P_[p]["memory"]["temporaries"]) if p in P_ else "—" for p in POLICIES]
+            lines.append(
+                f"| {w} | ({r['h']}, {r['d_ff']}) | "
+                + " | ".join(cells)
+                + f" | {_over(P_, 's3r-ec-dx', 's3r')} | {_over(P_, 's3r-ec-2way', 's3r')} | "
+                f"{_over(P_, 's3r-bcast-ec-dx', 's3r-bcast')} | "
+                f"{_over(P_, 's3r-bcast-ec-2way', 's3r-bcast')} |"
+            )
+        lines += [
+            "",
+            "Backward vector operations per upstream-gradient element (in brackets: over "
+            f"INT8 RTNE; paper, from measured time: Independent SR {PAPER_OPS['sr']}, S3R "
+            f"{PAPER_OPS['s3r']}, S3R-EC {PAPER_OPS['ec']}):",
+            "",
+            "| shape | " + " | ".join(p for p in POLICIES if p != "bf16") + " |",
+            "| --- |" + " ---: |" * (len(POLICIES) - 1),
+        ]
+        for w, r in done.items():
+            lines.append(
+                f"| {w} | "
+                + " | ".join(_ops(r["policies"], p) for p in POLICIES if p != "bf16")
+                + " |"
+            )
+        lines += [
+            "",
+            "Program structure (integer GEMMs / fusions / largest u32 buffer):",
+            "",
+            "| shape | " + " | ".join(POLICIES) + " |",
+            "| --- |" + " --- |" * len(POLICIES),
+        ]
+        for w, r in done.items():
+            P_ = r["policies"]
+            lines.append(
+                f"| {w} | "
+                + " | ".join(
+                    f"{P_[p]['n_integer_gemms']} / {P_[p]['fusions']} / {_u32(P_, p)}"
+                    if p in P_
+                    else "—"
+                    for p in POLICIES
+                )
+                + " |"
+            )
+        lines += ["", _reading(s)]
+    return "\n".join(lines) + "\n"
+
+
+def _reading(s: dict) -> str:
+    rows = {w: r["policies"] for w, r in s["ffn"].items() if r.get("policies")}
+    temp = lambda P_, p: P_[p]["memory"]["temporaries"]
+    parts = []
+    eq = [w for w, P_ in rows.items() if "s3r" in P_ and "rtne" in P_]
+    if eq:
+        d = [100 * (temp(rows[w], "s3r") / temp(rows[w], "rtne") - 1) for w in eq]
+        parts.append(f"S3R temporaries {min(d):+.1f}% to {max(d):+.1f}% over RTNE")
+    for p, label, target in (("s3r-ec-dx", "dX-only", 5.0), ("s3r-ec-2way", "two-way", 14.0)):
+        ws = [w for w, P_ in rows.items() if p in P_ and "s3r" in P_]
+        if ws:
+            d = [100 * (temp(rows[w], p) / temp(rows[w], "s3r") - 1) for w in ws]
+            over = [w for w, v in zip(ws, d) if v > target]
+            where = f"above it at {', '.join(over)}" if over else "within it everywhere"
+            parts.append(
+                f"{label} {min(d):+.1f}% to {max(d):+.1f}% over S3R (target +{target:.0f}%: "
+                f"{where})"
+            )
+    u32 = [
+        (w, p)
+        for w, P_ in rows.items()
+        for p in ("s3r", "s3r-bcast", "s3r-ec-dx", "s3r-ec-2way")
+        if p in P_ and P_[p].get("largest_u32") and P_[p]["largest_u32"]["bytes"] > 2**22
+    ]
+    parts.append(
+        "no shared-threshold policy writes a u32 buffer above 4 MiB"
+        if not u32
+        else f"large u32 buffers at {u32}"
+    )
+    sr = [P_["sr"] for P_ in rows.values() if "sr" in P_]
+    if sr and all((r.get("largest_u32") or {}).get("bytes", 0) <= 2**22 for r in sr):
+        parts.append(
+            "nor does Independent SR: the TPU compiler fuses its per-element Threefry into "
+            "the quantizer fusions, so its cost shows as vector operations, not as memory"
+        )
+    int8 = [
+        P_[p]["layer_gemms"] == ["s8 x s8 -> s32"] * 9
+        for P_ in rows.values()
+        for p in P_
+        if p != "bf16"
+    ]
+    if int8:
+        parts.append(
+            "every INT8 policy's nine layer GEMMs (three per projection) read s8 x s8 into s32"
+            if all(int8)
+            else "**some INT8 policy's layer GEMMs are not s8 x s8 -> s32**"
+        )
+    return "Reading (generated): " + "; ".join(parts) + "."
+
+
+def markdown_table4(s: dict) -> str:
+    meta = s["meta"]
+    cmd = "python benchmarks/tpu_compile.py --parts table4" + (" --smoke" if s["smoke"] else "")
+    lines = _header(meta, cmd, "TPU v5p compile: Table IV full-step memory", ops=False)
+    first = next(iter(s["models"].values()))
+    lines += [
+        f"The training step of `experiments/table4_full_step.py` (loss, INT8 backward under "
+        "the policy, global-norm clipping, AdamW) compiled for a "
+        f"{' x '.join(f'{k}={v}' for k, v in meta['mesh'].items())} mesh of the 4 chips: "
+        "parameters and optimizer state FSDP x TP sharded with `s3req.train`'s rules, the "
+        f"batch on `fsdp`, {first['batch'] // 4} x {first['seq']} tokens per chip "
+        f"({first['batch']} sequences in all), full rematerialisation, bf16 activations. "
+        f"**Layer cut:** each model keeps its real widths and vocabulary but only "
+        f"{first['n_layers']} layers (an MoE model keeps its dense first layer if it has "
+        "one; the layers column counts the MoE layers), so totals are not the "
+        "full models' and only differences between policies transfer. Memory per chip, GiB; "
+        f"the paper (full models): S3R = RTNE, S3R-EC two-way at most "
+        f"{PAPER_TWO_WAY_STEP_GB} GB more on the dense models.",
+        "",
+    ]
+    pols = [p for p in POLICIES if any(p in m["policies"] for m in s["models"].values())]
+    lines += [
+        "| model | layers | " + " | ".join(f"{p} total" for p in pols) + " | "
+        "S3R - RTNE (GB) | two-way - S3R (GB) | dX-only - S3R (GB) |",
+        "| --- | --- |" + " ---: |" * (len(pols) + 3),
+    ]
+    for name, m in s["models"].items():
+        P_ = m["policies"]
+        tot = lambda p: P_[p]["memory"]["total"] if p in P_ else None
+        gb = lambda a, b: (
+            f"{(P_[a]['memory']['total'] - P_[b]['memory']['total']) / 1e9:+.3f}"
+            if a in P_ and b in P_
+            else "—"
+        )
+        lines.append(
+            f"| {name} | {m['n_layers']} ({m['moe_layers']} MoE) | "
+            + " | ".join(f"{tot(p) / 2**30:.3f}" if tot(p) is not None else "—" for p in pols)
+            + f" | {gb('s3r', 'rtne')} | {gb('s3r-ec-2way', 's3r')} | "
+            f"{gb('s3r-ec-dx', 's3r')} |"
+        )
+    lines += [
+        "",
+        "Temporaries alone (GiB):",
+        "",
+        "| model | " + " | ".join(pols) + " |",
+        "| --- |" + " ---: |" * len(pols),
+    ]
+    for name, m in s["models"].items():
+        P_ = m["policies"]
+        lines.append(
+            f"| {name} | "
+            + " | ".join(
+                f"{P_[p]['memory']['temporaries'] / 2**30:.3f}" if p in P_ else "—" for p in pols
+            )
+            + " |"
+        )
+    dense = [
+        (n, m["policies"])
+        for n, m in s["models"].items()
+        if n in DENSE and {"s3r", "rtne"} <= set(m["policies"])
+    ]
+    if dense:
+        total = lambda P_, p: P_[p]["memory"]["total"]
+        d = [(total(P_, "s3r") - total(P_, "rtne")) / 1e9 for _, P_ in dense]
+        text = (
+            "Reading (generated): on the dense models S3R - RTNE is "
+            f"{min(d):+.3f} to {max(d):+.3f} GB"
+        )
+        tw = [
+            (P_["s3r-ec-2way"]["memory"]["total"] - P_["s3r"]["memory"]["total"]) / 1e9
+            for _, P_ in dense
+            if "s3r-ec-2way" in P_
+        ]
+        if tw:
+            text += (
+                f", two-way S3R-EC - S3R {min(tw):+.3f} to {max(tw):+.3f} GB (paper: at most "
+                f"+{PAPER_TWO_WAY_STEP_GB} GB; here for {first['n_layers']} layers, and the "
+                "surplus of a layer's correction is not live in every layer at once)"
+            )
+        lines += ["", text + "."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
