@@ -6,11 +6,11 @@ Uses `s3req.tpu` (needs libtpu: `pip install "s3req[tpu]"`) for every policy pre
   and gradient, float32 weights, the batch split over the 4 chips of v5p 2x2x1;
 - `ffn`: the SwiGLU FFN block (`models.FFN`, the builder of `experiments/table3_ffn_speed.py`)
   forward + backward at the paper's W1..W9 shapes, 16 x 4096 tokens batch-split over 2x2x1;
-- `table4`: the full training step of `experiments/table4_full_step.py` (loss, INT8 backward,
-  clipping, AdamW) of Llama 3.1-8B, Qwen3-8B, Qwen3-30B-A3B and DeepSeek-V2-Lite cut to
-  `--layers` layers (real widths and vocabulary, full remat, bf16 activations), 4 x 4096
-  tokens per chip, parameters and optimizer state FSDP x TP sharded (`s3req.train`'s rules)
-  on a 2 x 2 mesh of v5p 2x2x1.
+- `table4`: the full training step of `experiments/table4_full_step.py`
+  (`s3req.train.make_train_step`: loss, INT8 backward, clipping, AdamW) of Llama 3.1-8B,
+  Qwen3-8B, Qwen3-30B-A3B and DeepSeek-V2-Lite cut to `--layers` layers (real widths and
+  vocabulary, full remat, bf16 activations), 4 x 4096 tokens per chip, parameters and
+  optimizer state FSDP x TP sharded (`s3req.train`'s rules) on a 2 x 2 mesh of v5p 2x2x1.
 
 Per program: XLA's memory analysis, the GEMMs of the optimized HLO with their dtypes, the
 largest materialized u32 buffer, fusions, backward vector operations per upstream-gradient
@@ -52,7 +52,12 @@ import models  # noqa: E402
 from policies import PRESETS  # noqa: E402
 from s3req import qdot  # noqa: E402
 from s3req.tpu import compile_for_tpu, tpu_mesh, TPUProgram  # noqa: E402
-from s3req.train import make_optimizer, TrainConfig  # noqa: E402
+from s3req.train import (  # noqa: E402
+    make_optimizer,
+    make_train_step,
+    TrainConfig,
+    TrainState,
+)
 from s3req.train._sharding import _spec_for  # noqa: E402
 
 
@@ -97,6 +102,7 @@ def _facts(prog: TPUProgram, layer_macs: int | None = None) -> dict:
     s["layer_gemms"] = [g["signature"] for g in big]
     s["n_gemms"] = len(gemms)
     s["n_integer_gemms"] = len(prog.integer_gemms())
+    s["commit"] = _commit()
     s["small_gemms"] = [
         {"signature": g["signature"], "shape": g["shape"], "macs": g["macs"]}
         for g in gemms
@@ -152,7 +158,7 @@ def _shard(tree, mesh):
 def compile_step(name: str, mesh, preset: str, n_layers: int, seq: int, per_chip: int):
     """Table IV's training step, abstract and sharded FSDP x TP over `mesh`."""
     optimizer, _ = make_optimizer(TrainConfig())
-    step = t4.make_step(optimizer)
+    step = make_train_step(optimizer)
     cfg = t4.config(preset, {"n_layers": n_layers})
     model = eqx.filter_eval_shape(models.Llama, cfg, _policy(name), key=jr.key(0))
     is_sds = lambda x: isinstance(x, jax.ShapeDtypeStruct)
@@ -168,20 +174,21 @@ def compile_step(name: str, mesh, preset: str, n_layers: int, seq: int, per_chip
     key = jax.ShapeDtypeStruct((), jr.key(0).dtype)
 
     def f(m, o, t, k):
-        m2, o2, loss = step(m, o, t, k)
-        return eqx.filter(m2, eqx.is_array), o2, loss
+        new, info = step(TrainState(m, o, jnp.zeros((), jnp.int32)), t, k)
+        return eqx.filter(new.model, eqx.is_array), new.opt_state, info["loss"]
 
     with jax.numpy_dtype_promotion("standard"):
         return compile_for_tpu(f, model, opt, tokens, key, mesh=mesh), cfg, batch
 
 
 def _commit() -> str:
+    """The commit of the engine (`+dirty` when `s3req`, `policies` or `models` differ)."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
         )
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            ["git", "status", "--porcelain", "--", "s3req", "policies", "models"],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -293,6 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "n_integer_gemms": len(prog.integer_gemms()),
                     "largest_u32": prog.summary()["largest_u32"],
                     "compile_seconds": prog.compile_seconds,
+                    "commit": _commit(),
                 }
                 t4data["meta"] = _meta(kind) | {"mesh": dict(mesh2.shape)}
                 _save(out, "tpu_table4", t4data, markdown_table4)
@@ -358,13 +366,27 @@ def _policy_table(P: dict) -> list[str]:
     return lines
 
 
-def _header(meta: dict, cmd: str, title: str, ops: bool = True) -> list[str]:
+def _engines(rows: dict[str, dict]) -> str:
+    """`commit (rows), ...`: which engine commit compiled which rows."""
+    by: dict[str, list[str]] = {}
+    for label, r in rows.items():
+        by.setdefault(r.get("commit", "unknown"), []).append(label)
+    if len(by) == 1:
+        return f"engine at commit `{next(iter(by))}`"
+    return "engine at commits " + "; ".join(
+        f"`{c}` ({', '.join(labels)})" for c, labels in by.items()
+    )
+
+
+def _header(
+    meta: dict, cmd: str, title: str, rows: dict[str, dict], ops: bool = True
+) -> list[str]:
     return [
         f"# {title}",
         "",
         f"Generated by `{cmd}` with `s3req.tpu` (libtpu's XLA TPU compiler, jax "
-        f"{meta['jax']}) on a CPU machine ({meta['platform']}), engine at commit "
-        f"`{meta['commit']}`: compiled ahead of time for {meta['topology']} "
+        f"{meta['jax']}) on a CPU machine ({meta['platform']}), {_engines(rows)}: "
+        f"compiled ahead of time for {meta['topology']} "
         f"({meta['device_kind']}, 4 chips); nothing ran on a TPU. Memory is per chip, from "
         "XLA's compile-time buffer assignment (the paper's Table IV method); GEMMs, buffers "
         "and fusions are read from the optimized HLO. The cost model's `optimal_seconds` is "
@@ -384,7 +406,10 @@ def _header(meta: dict, cmd: str, title: str, ops: bool = True) -> list[str]:
 def markdown(s: dict) -> str:
     meta = s["meta"]
     cmd = "python benchmarks/tpu_compile.py" + (" --smoke" if s.get("smoke") else "")
-    lines = _header(meta, cmd, "TPU v5p compile: one layer and the FFN blocks of Table III")
+    rows = {f"layer {p}": r for p, r in s["layer"].items()}
+    for w, r in s["ffn"].items():
+        rows |= {f"{w} {p}": x for p, x in r.get("policies", {}).items()}
+    lines = _header(meta, cmd, "TPU v5p compile: one layer and the FFN blocks of Table III", rows)
     if s["layer"]:
         B, S, H, D = s["layer_shape"]
         lines += [
@@ -524,7 +549,8 @@ def _reading(s: dict) -> str:
 def markdown_table4(s: dict) -> str:
     meta = s["meta"]
     cmd = "python benchmarks/tpu_compile.py --parts table4" + (" --smoke" if s["smoke"] else "")
-    lines = _header(meta, cmd, "TPU v5p compile: Table IV full-step memory", ops=False)
+    rows = {f"{n} {p}": r for n, m in s["models"].items() for p, r in m["policies"].items()}
+    lines = _header(meta, cmd, "TPU v5p compile: Table IV full-step memory", rows, ops=False)
     first = next(iter(s["models"].values()))
     lines += [
         f"The training step of `experiments/table4_full_step.py` (loss, INT8 backward under "
