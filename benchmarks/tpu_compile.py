@@ -568,6 +568,13 @@ def markdown_table4(s: dict) -> str:
         "",
     ]
     pols = [p for p in POLICIES if any(p in m["policies"] for m in s["models"].values())]
+    absent = [n for n in TABLE4_MODELS if n not in s["models"]] + [
+        f"{n}: {', '.join(p for p in POLICIES if p not in m['policies'])}"
+        for n, m in s["models"].items()
+        if any(p not in m["policies"] for p in POLICIES)
+    ]
+    if absent and not s["smoke"]:
+        lines += ["Not compiled yet (a rerun fills them in): " + "; ".join(absent) + ".", ""]
     lines += [
         "| model | layers | " + " | ".join(f"{p} total" for p in pols) + " | "
         "S3R - RTNE (GB) | two-way - S3R (GB) | dX-only - S3R (GB) |",
