@@ -124,7 +124,12 @@ class QuantLinear(eqx.Module):
             )
         y = qdot_t(x, self.weight, policy=self.policy, key=key, axes=axes)
         if self.bias is not None:
-            y = y + jnp.broadcast_to(self.bias.astype(y.dtype), y.shape)
+            bias = eqx.error_if(
+                self.bias,
+                ~jnp.all(jnp.isfinite(self.bias)),
+                "QuantLinear: bias contains NaN or Inf.",
+            )
+            y = y + jnp.broadcast_to(bias.astype(y.dtype), y.shape)
         return y
 
     @staticmethod

@@ -515,7 +515,28 @@ _qdot3.defvjp(_qdot3_fwd, _qdot3_bwd)
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
+def check_key(name: str, key) -> None:
+    """A `TypeError` naming the fix unless `key` is `None` or a JAX key array (a typed
+    `jax.random.key` or a raw uint32 `jax.random.PRNGKey`), and a `ValueError` for a batch of
+    keys (raised while tracing the forward, for every topology)."""
+    if key is None:
+        return
+    typed = isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    raw = isinstance(key, jax.Array) and key.dtype == jnp.uint32
+    if not (typed or raw):
+        raise TypeError(
+            f"{name}: `key` must be a JAX PRNG key, got {type(key).__name__} {key!r:.40}. Use "
+            "`jax.random.key(seed)` and split it for every call (`jax.random.split`)."
+        )
+    if key.shape != (() if typed else (2,)):
+        raise ValueError(
+            f"{name}: needs a single Threefry key, got a key array of shape {key.shape}. Use "
+            "`jax.random.key(seed)` and split it per call, not a batch of keys."
+        )
+
+
 def _check(x: Array, w: Array, policy: AbstractPolicy | None, key, transposed: bool) -> None:
+    check_key("s3req.qdot", key)
     layout = "(d_out, d_in)" if transposed else "(d_in, d_out)"
     d_in = w.shape[_in_axis(transposed)] if w.ndim == 2 else None
     for name, arr in (("x", x), ("w", w)):

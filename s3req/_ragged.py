@@ -16,7 +16,7 @@ from jaxtyping import Array, Float, Int, Int8, PRNGKeyArray
 
 from ._formats import IntGrad
 from ._interfaces import AbstractPolicy
-from ._qdot import DW_CHUNK, first_order_only, MAX_TERMS, quantize_gradient
+from ._qdot import check_key, DW_CHUNK, first_order_only, MAX_TERMS, quantize_gradient
 from ._quantize import absmax_scale, gradient_step, QMAX, round_to_int8
 from ._thresholds import Rows
 
@@ -176,6 +176,7 @@ _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 def _check(x, w, group_sizes, policy, key, row_id, example_id, num_examples) -> None:
     name = "s3req.qragged_dot"
+    check_key(name, key)
     if policy is not None and policy.fmt != IntGrad(8):
         raise NotImplementedError(
             f"{name}: the expert GEMMs support the int8 gradient format only, got "

@@ -9,6 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import jaxtyping
 import numpy as np
 import pytest
 
@@ -195,3 +196,44 @@ def test_forward_mode_of_qdot_is_a_jax_type_error(getkey):
     x, w, _ = _dense(getkey())
     with pytest.raises(TypeError, match="forward-mode autodiff"):
         jax.jvp(lambda x: qdot(x, w, policy=EVERY_POLICY[-1], key=jr.key(0)), (x,), (x,))
+
+
+@pytest.mark.parametrize("topology", ALL_TOPOLOGIES[1:], ids=lambda t: policy_id(Policy(t)))
+def test_bad_keys_raise_our_errors(topology, getkey, monkeypatch):
+    """A Python int (or any non-key) as `key` is a TypeError naming `jax.random.key`; a batch
+    of keys is our ValueError, for every stochastic topology (Independent included)."""
+    x, w, _ = _dense(getkey())
+    policy = Policy(topology)
+    # The suite type-checks public signatures (jaxtyping's import hook), which would refuse a
+    # non-key first; users without that hook get the error below.
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
+    for bad in (0, 1234, "seed"):
+        with pytest.raises(TypeError, match=r"jax\.random\.key\(seed\)"):
+            qdot(x, w, policy=policy, key=bad)  # pyright: ignore[reportArgumentType]
+        with pytest.raises(TypeError, match=r"jax\.random\.key\(seed\)"):
+            QuantLinear(H, D, policy=policy, key=getkey())(x, key=bad)  # pyright: ignore
+    xr, wr, gs, _, row_id, example_id, n_ex = _ragged(getkey())
+    with pytest.raises(TypeError, match=r"s3req.qragged_dot: `key` must be a JAX PRNG key"):
+        qragged_dot(xr, wr, gs, policy=policy, key=7, row_id=row_id, example_id=example_id)  # pyright: ignore
+    keys = jr.split(getkey(), 2)
+    with pytest.raises(ValueError, match="single Threefry key"):
+        jax.grad(lambda x: jnp.sum(qdot(x, w, policy=policy, key=keys)))(x)
+
+
+def test_nan_bias_raises_and_plain_jit_message(getkey):
+    """A NaN or Inf bias of `QuantLinear` raises. Under `eqx.filter_jit` the error is an
+    `EquinoxRuntimeError` with our message; under plain `jax.jit` it is a `JaxRuntimeError`
+    (`INTERNAL: CpuCallback error ...`) whose text contains the same message."""
+    x, _, _ = _dense(getkey())
+    layer = QuantLinear(H, D, policy=EVERY_POLICY[-1], key=getkey())
+    key = getkey()
+    for bad in (jnp.nan, jnp.inf):
+        nan_bias = eqx.tree_at(lambda m: m.bias, layer, layer.bias.at[5].set(bad))  # pyright: ignore
+        with pytest.raises(eqx.EquinoxRuntimeError, match="bias contains NaN or Inf"):
+            jax.block_until_ready(eqx.filter_jit(lambda m, x: m(x, key=key))(nan_bias, x))
+        with pytest.raises(jax.errors.JaxRuntimeError, match="bias contains NaN or Inf"):
+            jax.block_until_ready(jax.jit(lambda m, x: m(x, key=key))(nan_bias, x))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="x contains NaN or Inf"):
+        jax.block_until_ready(
+            jax.jit(lambda m, x: m(x, key=key))(layer, x.at[0, 0, 0].set(jnp.nan))
+        )
