@@ -42,6 +42,7 @@ from ._loop import (
 from ._sample import load_run as load_run, sample as sample
 from ._sharding import (
     batch_sharding as batch_sharding,
+    init_distributed as init_distributed,
     make_mesh as make_mesh,
     param_shardings as param_shardings,
     parse_mesh as parse_mesh,

@@ -68,7 +68,7 @@ def _policy_names() -> list[str]:
     return list(PRESETS)
 
 
-def _train_flags() -> argparse.ArgumentParser:
+def _train_flags() -> "_Parser":
     """The flags shared by `train` and `compare` (all default to 'not given')."""
     d = _DEFAULTS
     p = _Parser(add_help=False, argument_default=argparse.SUPPRESS)
@@ -203,6 +203,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --resume: continue although settings that change the arithmetic (lr, "
         "steps, ...) differ from the checkpoint's (the run is then no longer exact)",
     )
+    g = t.add_argument_group("several processes (hosts); see the scaling guide")
+    g.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="address of process 0 (default: $JAX_COORDINATOR_ADDRESS)",
+    )
+    g.add_argument(
+        "--num-processes",
+        type=_pos_int,
+        help="processes taking part (default: $JAX_NUM_PROCESSES)",
+    )
+    g.add_argument(
+        "--process-id",
+        type=_nonneg_int,
+        help="index of this process (default: $JAX_PROCESS_ID)",
+    )
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="detect the cluster (SLURM, Open MPI, Cloud TPU) when no address is given",
+    )
     t.add_argument(
         "--mesh",
         metavar="SPEC",
@@ -296,6 +317,17 @@ def _config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 def _train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from ._loop import train
+    from ._sharding import init_distributed
+
+    try:
+        init_distributed(
+            getattr(args, "coordinator", None),
+            getattr(args, "num_processes", None),
+            getattr(args, "process_id", None),
+            auto=getattr(args, "distributed", False),
+        )
+    except ValueError as e:
+        parser.error(str(e))
 
     config = _config_from_args(parser, args)
     try:
@@ -309,6 +341,10 @@ def _train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         parser.error(str(e))
+    import jax
+
+    if jax.process_index() != 0:  # process 0 reports for all
+        return 0
     vals = [(r["step"], r["val_loss"]) for r in result.metrics if r.get("val_loss") is not None]
     rate = f"{result.wall_s:.0f} s, {result.tokens_per_s:,.0f} tokens/s"
     if vals and vals[0][0] == 0 and len(vals) > 1:

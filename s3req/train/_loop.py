@@ -33,7 +33,7 @@ from ._checkpoint import (
 from ._config import build_model, data_for, FREE_ON_RESUME, model_config, TrainConfig
 from ._data import TokenData
 from ._sample import TOKENIZER_FILE
-from ._sharding import batch_sharding, make_mesh, replicated, shard_model
+from ._sharding import batch_sharding, make_mesh, place, replicated, shard_model
 from ._state import init_state, make_optimizer, make_train_step, TrainState
 
 
@@ -154,12 +154,12 @@ def _read_metrics(path: pathlib.Path, before: int) -> list[dict[str, typing.Any]
 def _on_mesh(tree: typing.Any, mesh: Mesh) -> typing.Any:
     """Arrays without a mesh sharding (step counters) replicated over `mesh`."""
 
-    def place(x):
+    def put(x):
         if eqx.is_array(x) and not isinstance(x.sharding, NamedSharding):
-            return jax.device_put(x, replicated(mesh))
+            return place(x, replicated(mesh))
         return x
 
-    return jtu.tree_map(place, tree)
+    return jtu.tree_map(put, tree)
 
 
 def _check_resume(out: pathlib.Path, config: TrainConfig, allow_changes: bool) -> None:
@@ -306,6 +306,8 @@ def train(
 
     A [`s3req.train.TrainResult`][].
     """
+    if mesh is None and jax.process_count() > 1:  # several processes: FSDP over all devices
+        mesh = {"fsdp": len(jax.devices()), "tp": 1}
     if mesh is not None:
         mesh = make_mesh(mesh)
         if config.batch % mesh.shape["fsdp"]:
@@ -350,7 +352,7 @@ def train(
         if resume:
             model, opt_state, meta = load_checkpoint(out, state.model, state.opt_state)
             start = int(meta["step"])
-            step0 = jax.device_put(jnp.asarray(start, jnp.int32), state.step.sharding)
+            step0 = place(jnp.asarray(start, jnp.int32), state.step.sharding)
             state = TrainState(model, opt_state, step0)
             rng.bit_generator.state = meta["data_rng"]
             metrics = _read_metrics(metrics_path, before=start)

@@ -8,11 +8,13 @@ inserts the collectives; the optimizer state follows the parameters. Thresholds 
 from global element indices, so they are bitwise the same on every mesh.
 """
 
+import os
 import typing
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 
@@ -124,9 +126,72 @@ def param_shardings(model: eqx.Module, mesh: Mesh) -> typing.Any:
     )
 
 
+def place(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+    """Put `x`, the same on every process, onto `sharding`, which may span the devices of
+    several processes (each process fills only its own devices)."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    host = np.asarray(jax.device_get(x))
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
 def shard_model(model: eqx.Module, mesh: Mesh) -> eqx.Module:
     """Place `model`'s arrays on `mesh` with [`s3req.train.param_shardings`][]."""
-    return eqx.filter_shard(model, param_shardings(model, mesh))
+    shardings = param_shardings(model, mesh)
+    return jtu.tree_map(
+        lambda x, s: place(x, s) if eqx.is_array(x) else x,
+        model,
+        shardings,
+        is_leaf=lambda x: x is None,
+    )
+
+
+def init_distributed(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    auto: bool = False,
+) -> bool:
+    """Start `jax.distributed` for a run over several processes (hosts), before any other JAX
+    call.
+
+    Each value comes from its argument, else from the environment variables
+    `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`. With none of them set,
+    `auto=True` lets `jax.distributed.initialize()` detect the cluster (SLURM, Open MPI,
+    Cloud TPU pods, ...); otherwise nothing is started.
+
+    **Arguments:**
+
+    - `coordinator`: `host:port` of process 0, reachable from every process.
+    - `num_processes`: how many processes take part.
+    - `process_id`: this process's index, `0 .. num_processes - 1`.
+    - `auto`: detect the cluster when nothing is given. (Keyword only argument.)
+
+    **Returns:**
+
+    Whether `jax.distributed` was started.
+    """
+    env = os.environ.get
+    coordinator = coordinator or env("JAX_COORDINATOR_ADDRESS")
+    n = num_processes if num_processes is not None else env("JAX_NUM_PROCESSES")
+    i = process_id if process_id is not None else env("JAX_PROCESS_ID")
+    if coordinator is None and n is None and i is None:
+        if auto:
+            jax.distributed.initialize()
+            return True
+        return False
+    if coordinator is None or n is None or i is None:
+        raise ValueError(
+            "multi-process run: give all of --coordinator HOST:PORT, --num-processes N and "
+            "--process-id I (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID), "
+            "or --distributed to detect the cluster."
+        )
+    n, i = int(n), int(i)
+    if not 0 <= i < n:
+        raise ValueError(f"--process-id must lie in [0, {n}), got {i}.")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=i)
+    return True
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
