@@ -86,11 +86,14 @@ def test_two_processes_match_one(tmp_path):
     lb = np.array([r["train_loss"] for r in b])
     va = np.array([r["val_loss"] for r in a if "val_loss" in r])
     vb = np.array([r["val_loss"] for r in b if "val_loss" in r])
-    # Same program, same partitioning and the same windows on the same devices: the curves
-    # agree bit for bit (gloo's all-reduce adds the two processes' partials in the order
-    # XLA's in-process all-reduce does for two devices each).
-    np.testing.assert_array_equal(la, lb)
-    np.testing.assert_array_equal(va, vb)
+    # Same program, partitioning, thresholds and windows, but gloo's cross-process all-reduce
+    # adds partial sums in another order than XLA's in-process one, so floats can differ in
+    # the last bit (measured: 2 of 5 train losses by 1 ulp, 4.8e-7; validation losses equal;
+    # parameters within 3e-8) and, as between meshes, a gradient element on a rounding
+    # boundary may flip. The first loss is the forward of identical parameters: float-equal.
+    np.testing.assert_allclose(la[0], lb[0], rtol=1e-6)
+    tol = 0.1 * np.mean(np.abs(np.diff(la)))  # far below the per-step training progress
+    assert np.max(np.abs(la - lb)) <= tol and np.max(np.abs(va - vb)) <= tol, (la, lb, va, vb)
     # One checkpoint, written shard by shard by both processes, readable by one process.
     assert load_meta(tmp_path / "two")["step"] == 4
     assert (tmp_path / "two" / "loss_curve.png").is_file()
@@ -103,4 +106,5 @@ def test_two_processes_match_one(tmp_path):
 
     l1 = jtu.tree_leaves(eqx.filter(model1, eqx.is_array))
     l2 = jtu.tree_leaves(eqx.filter(model2, eqx.is_array))
-    assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(l1, l2))
+    assert len(l1) == len(l2)
+    assert max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(l1, l2)) < 1e-4
