@@ -153,11 +153,12 @@ def rel(a, b) -> float:
     return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
 
 
-def checkpoint(smoke: bool):
-    from s3req.train import load_data, train, TrainConfig
+def checkpoint_config(smoke: bool):
+    """The training settings of the Table II checkpoint (`smoke`: a 2-layer width-32 model)."""
+    from s3req.train import TrainConfig
 
     if smoke:
-        cfg = TrainConfig(
+        return TrainConfig(
             policy="bf16",
             steps=2,
             batch=2,
@@ -167,14 +168,47 @@ def checkpoint(smoke: bool):
             eval_batches=1,
             model={"d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64},
         )
-    else:
-        cfg = TrainConfig(
-            policy="bf16", steps=150, batch=8, seq_len=128, warmup=15, eval_every=0, eval_batches=8
-        )
-    data = load_data(None)
+    return TrainConfig(
+        policy="bf16", steps=150, batch=8, seq_len=128, warmup=15, eval_every=0, eval_batches=8
+    )
+
+
+def train_checkpoint(cfg, data=None, batch: int | None = None, seq_len: int | None = None):
+    """Train `cfg` on `data` (default: the default corpus) and return the training result and
+    the first validation batch, `(batch, seq_len + 1)` tokens (default: the training shape)."""
+    from s3req.train import load_data, train
+
+    data = load_data(None) if data is None else data
     result = train(cfg, data=data, progress=False)
-    tokens, _ = next(iter(data.val_batches(cfg.batch, cfg.seq_len, 1)))
-    return cfg, result, jnp.asarray(tokens)
+    shape = (batch or cfg.batch, seq_len or cfg.seq_len)
+    tokens, _ = next(iter(data.val_batches(*shape, 1)))
+    return result, jnp.asarray(tokens)
+
+
+def check_forward(float_model: models.Llama, tokens) -> None:
+    """Assert that the layer-by-layer `forward` equals the model's own forward."""
+    c = float_model.config
+    zero = jnp.zeros((c.n_layers, tokens.shape[0], tokens.shape[1] - 1, c.d_model))
+    ref_logits = float_model(tokens[:, :-1])
+    assert jnp.allclose(
+        forward(float_model, zero, tokens[:, :-1], None), ref_logits, atol=1e-4, rtol=1e-4
+    )
+
+
+def measure(trained: models.Llama, policy, tokens, keys, exact) -> tuple[np.ndarray, list]:
+    """The four gradient errors of `trained` under `policy`, one row per key of `keys`
+    (relative Frobenius error against `exact`, the float gradients), and the bias floor: the
+    relative error of the gradients averaged over the keys."""
+    model = with_policy(trained, policy)
+    f = eqx.filter_jit(gradients)
+    errs = np.zeros((len(keys), len(COLUMNS)))
+    sums = [jnp.zeros_like(x) for x in exact]
+    for i, key in enumerate(keys):
+        g = f(model, tokens, key)
+        errs[i] = [rel(a, b) for a, b in zip(g, exact)]
+        sums = [s + a for s, a in zip(sums, g)]
+    floor = [rel(s / len(keys), b) for s, b in zip(sums, exact)]
+    return errs, floor
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -192,7 +226,8 @@ def main(argv: list[str] | None = None) -> dict:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    cfg, result, tokens = checkpoint(args.smoke)
+    cfg = checkpoint_config(args.smoke)
+    result, tokens = train_checkpoint(cfg)
     trained = result.model
     print(
         f"[table2] checkpoint: {cfg.steps} steps, final val loss "
@@ -201,27 +236,13 @@ def main(argv: list[str] | None = None) -> dict:
         flush=True,
     )
     float_model = with_policy(trained, None)
-    # The layer-by-layer forward equals the model's own forward.
-    c = float_model.config
-    zero = jnp.zeros((c.n_layers, tokens.shape[0], tokens.shape[1] - 1, c.d_model))
-    ref_logits = float_model(tokens[:, :-1])
-    assert jnp.allclose(
-        forward(float_model, zero, tokens[:, :-1], None), ref_logits, atol=1e-4, rtol=1e-4
-    )
+    check_forward(float_model, tokens)
     exact = eqx.filter_jit(gradients)(float_model, tokens, None)
     rows = {}
     keys = jr.split(jr.key(2024), n_keys)
     for row_id in row_ids:
         label, policy, paper = ROWS[row_id]
-        model = with_policy(trained, policy)
-        f = eqx.filter_jit(gradients)
-        errs = np.zeros((n_keys, len(COLUMNS)))
-        sums = [jnp.zeros_like(x) for x in exact]
-        for i in range(n_keys):
-            g = f(model, tokens, keys[i])
-            errs[i] = [rel(a, b) for a, b in zip(g, exact)]
-            sums = [s + a for s, a in zip(sums, g)]
-        floor = [rel(s / n_keys, b) for s, b in zip(sums, exact)]
+        errs, floor = measure(trained, policy, tokens, keys, exact)
         rows[label] = {
             "policy": repr(policy),
             "mean": errs.mean(axis=0).tolist(),
