@@ -75,12 +75,12 @@ ROWS = {
     ),
     "dx-2d-dw-bcast": (
         "dX Phi2D, dW PhiBcast",
-        Policy(Split(dx=Phi2D(), dw=PhiBcast())),
+        Policy(Split(dx=Phi2D(), dw=PhiBcast())),  # pyright: ignore[reportCallIssue]
         (0.893, 0.227, 0.746, 0.714),
     ),
     "dx-bcast-dw-2d": (
         "dX PhiBcast, dW Phi2D",
-        Policy(Split(dx=PhiBcast(), dw=Phi2D())),
+        Policy(Split(dx=PhiBcast(), dw=Phi2D())),  # pyright: ignore[reportCallIssue]
         (3.494, 0.261, 5.979, 6.849),
     ),
 }
@@ -124,19 +124,23 @@ def loss(params, static, perts, tokens, key):
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def projections(model: models.Llama) -> dict[str, jax.Array]:
+    """The stacked weights `(n_layers, out, in)` of the seven projections of a dense model
+    (or of a gradient pytree of one), by the names of `PROJECTIONS`."""
+    stack = model.layers[0]
+    a, m = stack.attn, stack.mlp
+    if not isinstance(m, models.FFN):
+        raise ValueError("table2: only dense models (SwiGLU FFN layers) are supported.")
+    ws = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate, m.up, m.down)
+    return {name: w.weight for name, w in zip(PROJECTIONS, ws)}
+
+
 def layer0_weights(grads: models.Llama) -> jax.Array:
     """The weight gradients of the seven projections of layer 0, flattened and concatenated."""
-    stack = grads.layers[0]
-    ws = [
-        stack.attn.q_proj,
-        stack.attn.k_proj,
-        stack.attn.v_proj,
-        stack.attn.o_proj,
-        stack.mlp.gate,
-        stack.mlp.up,
-        stack.mlp.down,
-    ]  # pyright: ignore
-    return jnp.concatenate([w.weight[0].ravel() for w in ws])
+    return jnp.concatenate([w[0].ravel() for w in projections(grads).values()])
 
 
 def gradients(model, tokens, key):
@@ -212,7 +216,7 @@ def measure(trained: models.Llama, policy, tokens, keys, exact) -> tuple[np.ndar
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="a 2-layer width-32 model, 2 keys")
     ap.add_argument("--keys", type=int, default=None, help="keys per policy (default 64)")
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated row ids")

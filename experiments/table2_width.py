@@ -64,7 +64,7 @@ ROWS = {
     "s3r-ec-dx": "S3R-EC, dX-only (Phi2D)",
     "s3r-ec-2way": "S3R-EC, two-way (Phi2D)",
 }
-KINDS = ("q", "k", "v", "o", "gate", "up", "down")
+KINDS = t2.PROJECTIONS
 COLUMN_LABELS = ("dX layer 0", "dX top layer", "dW layer 0", "Emb.")
 
 
@@ -132,10 +132,7 @@ def model_overrides(width: int, n_layers: int) -> dict:
 
 def layer_weights(model: models.Llama, layer: int) -> dict[str, jax.Array]:
     """The seven projection weights `(out, in)` of one decoder layer."""
-    stack = model.layers[0]
-    a, m = stack.attn, stack.mlp  # pyright: ignore
-    ws = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate, m.up, m.down)
-    return {kind: w.weight[layer] for kind, w in zip(KINDS, ws)}
+    return {kind: w[layer] for kind, w in t2.projections(model).items()}
 
 
 def row_sum_ratio(w: jax.Array) -> float:
