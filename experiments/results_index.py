@@ -74,11 +74,17 @@ def table1(d: pathlib.Path) -> list[str]:
             f"| {r['label']} | {'—' if config == 'bf16' else f'{pgap:+.3f}'} | {ours} | {pt} "
             f"| {'—' if t is None else _f(t, '+.1f')} |"
         )
-    out += ["", "Orderings of the paper at this scale:", ""]
+    out += [
+        "",
+        "Orderings of the paper at this scale (verdict of the paired t over seeds, two-sided "
+        "5%; Welch's t beside it):",
+        "",
+    ]
     for c in s["claims"]:
         out.append(
-            f"- {c['claim']}: {c['verdict']} (Welch t = {_f(c['t'], '+.1f')}, paired t = "
-            f"{_f(c.get('paired_t', float('nan')), '+.1f')})"
+            f"- {c['claim']}: {c['verdict']} (paired t = "
+            f"{_f(c.get('paired_t', float('nan')), '+.1f')}, p = "
+            f"{_f(c.get('paired_p', float('nan')))}; Welch t = {_f(c['t'], '+.1f')})"
         )
     return out
 

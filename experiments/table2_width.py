@@ -168,6 +168,15 @@ def gemm_noise(w: jax.Array, policy, x, g, keys) -> np.ndarray:
     return ((dx - dx.mean(axis=0)) ** 2).reshape(n, -1).sum(axis=1) * n / (n - 1)
 
 
+def noise_energy(errs: np.ndarray, floor) -> np.ndarray:
+    """Per key, the rounding-noise energy in units of `||exact||^2`, from the relative errors
+    `errs[k] = ||g_k - e|| / ||e||` and the bias floor `||mean_k g_k - e|| / ||e||`: since
+    `sum_k ||g_k - e||^2 = sum_k ||g_k - mean||^2 + n ||mean - e||^2`, the mean over keys of
+    `(errs^2 - floor^2) n / (n - 1)` is the unbiased key-to-key variance of the gradient."""
+    n = errs.shape[0]
+    return (errs**2 - np.square(floor)) * (n / (n - 1))
+
+
 def _ratio(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     """mean(a) / mean(b) and its delta-method standard error (independent samples)."""
     ma, mb = a.mean(), b.mean()
@@ -214,9 +223,7 @@ def one_width(width: int, sw: Sweep, data, log) -> dict:
             trained, policy, tokens, keys[:1] if deterministic else keys, exact
         )
         n = errs.shape[0]
-        # Rounding noise alone, per key: ||g_k - e||^2 - ||mean - e||^2 in units of ||e||^2;
-        # its mean times n / (n - 1) is the unbiased noise energy (the key-to-key variance).
-        noise = (errs**2 - np.square(floor)) * (n / (n - 1)) if n > 1 else np.zeros_like(errs)
+        noise = noise_energy(errs, floor) if n > 1 else np.zeros_like(errs)
         rows[rid] = {
             "label": label,
             "n_keys": n,

@@ -42,6 +42,51 @@ def test_table1_smoke_resumable(tmp_path):
     again = t1.main(args)
     assert len((tmp_path / "table1_smoke_runs.jsonl").read_text().splitlines()) == 4
     assert again["rows"]["s3r"]["val_losses"] == rows["s3r"]["val_losses"]
+    # A page on fewer seeds than the scale's trains nothing, says so and lists the runs it
+    # leaves out.
+    one = t1.main(args + ["--seeds", "1"])
+    assert [tuple(r) for r in one["unused_runs"]] == [("bf16", 1), ("s3r", 1)]
+    text = (tmp_path / "table1_smoke.md").read_text()
+    assert "uses 1 of the scale's 2 seeds" in text and "2 run(s) of seed(s) 1" in text
+
+
+def test_table1_tests():
+    """The tests of the orderings: Student-t p-values and critical values, the paired t, the
+    verdicts (holds / reversed / not resolved, ties) and the Holm correction."""
+    t1 = _load("table1_quality")
+    # Two-sided 5% critical values of Student's t (tables: 12.706, 4.303, 2.571, 2.228).
+    for dof, crit in ((1, 12.706), (2, 4.303), (5, 2.571), (10, 2.228)):
+        assert abs(t1.t_critical(dof) - crit) < 2e-3
+    assert abs(t1.t_pvalue(2.571, 5) - 0.05) < 1e-3
+    assert math.isnan(t1.t_pvalue(float("nan"), 5))
+    t, dof, se = t1.paired([1.0, 2.0, 3.5], [0.0, 1.0, 2.0])
+    d = [1.0, 1.0, 1.5]
+    sd = math.sqrt(sum((x - 7 / 6) ** 2 for x in d) / 2)
+    assert dof == 2 and math.isclose(se, sd / math.sqrt(3)) and math.isclose(t, (7 / 6) / se)
+    base = [1.80, 1.79, 1.81, 1.78, 1.82, 1.80]
+    noise1 = [0.001, -0.002, 0.0015, -0.001, 0.0005, 0.0]
+    noise2 = [-0.0005, 0.001, 0.0, 0.002, -0.001, -0.0015]
+
+    def row(shift, noise):
+        vals = [b + shift + n for b, n in zip(base, noise)]
+        return {"val_losses": vals, "mean": sum(vals) / len(vals)}
+
+    # sr above bf16 by 0.01 (holds), rtne 0.01 below sr (reversed), the rest equal to sr.
+    rows = {c: row(0.0, noise1) for c in t1.CONFIGS}
+    rows["bf16"] = row(-0.01, noise2)
+    rows["rtne"] = row(-0.01, noise2)
+    got = {(c["a"], c["b"]): c for c in t1.claims(rows)}
+    assert got[("sr", "bf16")]["verdict"].startswith("holds") and got[("sr", "bf16")]["holm"]
+    assert got[("rtne", "sr")]["verdict"].startswith("REVERSED")
+    assert not got[("rtne", "sr")]["holm"]
+    lo, hi = got[("sr", "bf16")]["ci95"]
+    assert lo < 0.01 < hi
+    # Identical per-seed values: the paired t is undefined.
+    assert got[("s3r", "sr")]["verdict"] == "undetermined"
+    rows["s3r"] = row(0.0, noise2)
+    got = {(c["a"], c["b"]): c for c in t1.claims(rows)}
+    assert got[("s3r", "sr")]["verdict"].startswith("not resolved")
+    assert got[("s3r-ec-2way", "sr")]["tie"]
 
 
 def test_table1_welch():
@@ -64,6 +109,72 @@ def test_table2_smoke(tmp_path):
     rtne = rows["INT8 RTNE (reference)"]
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(rtne["mean"], rtne["bias_floor"]))
     assert (tmp_path / "table2.md").read_text().startswith("# Table II")
+
+
+def test_prop1_isolated_gemm():
+    """Proposition 1 in the setting it assumes: for one GEMM with Gaussian x and G, the
+    measured Phi2D / SR ratio of the dX noise norms is `sqrt((1 + R) / 2)`, within 5 standard
+    errors, for weights without (R ~ 1) and with a common component of their rows (R >> 1)."""
+    _load("table2_gradient_error")
+    tw = _load("table2_width")
+    import jax.numpy as jnp
+    import jax.random as jr
+
+    import policies
+
+    w = jr.normal(jr.key(1), (64, 32))
+    assert math.isclose(tw.row_sum_ratio(w[:1]), 1.0)  # D = 1: no sum
+    assert math.isclose(tw.row_sum_ratio(jnp.broadcast_to(w[:1], (64, 32))), 64.0)  # R = D
+    x, g = jr.normal(jr.key(2), (4, 32, 32)), jr.normal(jr.key(3), (4, 32, 64))
+    keys = jr.split(jr.key(4), 16)
+    for common in (0.0, 0.3):
+        wc = common + 0.3 * w
+        r = tw.row_sum_ratio(tw.codes(wc))
+        assert (r > 20) == (common > 0)
+        a = tw.gemm_noise(wc, policies.preset("s3r"), x, g, keys)
+        b = tw.gemm_noise(wc, policies.preset("sr"), x, g, keys)
+        q, se = tw._sqrt_ratio(a, b)
+        assert abs(q - tw.predicted_ratio(r)) < 5 * se, (common, q, se, r)
+
+
+def test_noise_from_errors():
+    """The rounding noise recovered from the per-key errors and the bias floor equals the
+    key-to-key spread of the gradients themselves."""
+    import numpy as np
+
+    tw = _load("table2_width")
+    rng = np.random.default_rng(0)
+    exact = rng.normal(size=50)
+    g = exact + 0.1 + 0.3 * rng.normal(size=(8, 50))
+    norm = np.linalg.norm(exact)
+    errs = np.linalg.norm(g - exact, axis=1)[:, None] / norm
+    floor = [np.linalg.norm(g.mean(axis=0) - exact) / norm]
+    noise = tw.noise_energy(errs, floor)
+    direct = ((g - g.mean(axis=0)) ** 2).sum() / 7 / norm**2
+    assert math.isclose(noise.mean(), direct, rel_tol=1e-9)
+
+
+def test_table2_width_quick(tmp_path):
+    _load("table2_gradient_error")
+    tw = _load("table2_width")
+    s = tw.main(["--quick", "--out", str(tmp_path)])
+    assert [w["width"] for w in s["widths"]] == list(tw.SWEEPS["quick"].widths)
+    for w in s["widths"]:
+        assert set(w["rows"]) == set(tw.ROWS)
+        assert w["rows"]["rtne"]["n_keys"] == 1 and w["rows"]["sr"]["n_keys"] > 1
+        for r in w["rows"].values():
+            assert all(0 < v < 10 for v in r["mean"]) and all(v >= 0 for v in r["sem"])
+        for v in w["ratios_vs_sr"].values():
+            assert all(math.isfinite(x) and x > 0 for x in v["total"] + v["total_se"])
+        # Two-way S3R-EC below Independent SR at the layer-0 dX, as in the paper's Table II.
+        assert w["ratios_vs_sr"]["s3r-ec-2way"]["total"][0] < 1
+        for k in tw.KINDS:
+            v = w["weights"][k]
+            assert all(r > 0 for r in v["R_codes"]) and len(v["R_codes"]) == 2
+            assert math.isfinite(w["gemm"][k]["ratio"])
+    text = (tmp_path / "table2_width.md").read_text()
+    assert text.startswith("# Table II across widths") and "Reading (generated" in text
+    assert (tmp_path / "table2_width.png").stat().st_size > 0
 
 
 def test_table3_smoke(tmp_path):
