@@ -3,11 +3,13 @@ Proposition 1 predicts, and does S3R-EC remove it?
 
 For each width D in {128, 256, 512, 1024, 2048} a 2-layer Llama (head width 32, n_kv_heads =
 n_heads / 2, SwiGLU FFN of width 3D, byte tokens) is trained in float32 (the BF16 row of
-`s3req.train`) on the default corpus (Shakespeare), all widths with the same steps and
-tokens, at the learning rate 3e-3 * 128 / D (the 1/width scaling of Adam's rate for hidden
-weights). On each checkpoint the diagnostics of Table II are measured with the code of
-`experiments/table2_gradient_error.py` (dX at the input of layer 0 and of the top layer, dW of
-the seven projections of layer 0, the embedding gradient: relative Frobenius error against
+`s3req.train`) on the default corpus (Shakespeare) at the learning rate 3e-3 * 128 / D (the
+1/width scaling of Adam's rate for hidden weights), for 100 steps of 4 x 64 tokens up to
+D = 512 and fewer at D = 1024 (50) and 2048 (25), so that the sweep fits in well under an
+hour of a shared 2-core CPU. On each checkpoint the diagnostics of Table II are measured with
+the code of `experiments/table2_gradient_error.py` (dX at the input of layer 0 and of the top
+layer, dW of the seven projections of layer 0, the embedding gradient: relative Frobenius
+error against
 the exact float gradient, mean +- standard error over the step keys) for INT8 RTNE,
 Independent SR, S3R (Phi2D), S3R (PhiBcast) and S3R-EC dX-only and two-way (Phi2D).
 
@@ -72,10 +74,9 @@ COLUMN_LABELS = ("dX layer 0", "dX top layer", "dW layer 0", "Emb.")
 class Sweep:
     widths: tuple[int, ...]
     n_layers: int
-    steps: int
+    steps: tuple[int, ...]  # per width
     batch: int
     seq_len: int
-    warmup: int
     lr_at_128: float
     eval_batches: int
     meas_batch: int
@@ -88,24 +89,22 @@ SWEEPS = {
     "full": Sweep(
         widths=(128, 256, 512, 1024, 2048),
         n_layers=2,
-        steps=120,
-        batch=8,
+        steps=(100, 100, 100, 50, 25),
+        batch=4,
         seq_len=64,
-        warmup=12,
         lr_at_128=3e-3,
         eval_batches=8,
-        meas_batch=4,
+        meas_batch=2,
         meas_seq=64,
-        n_keys=12,
-        gemm_keys=8,
+        n_keys=8,
+        gemm_keys=6,
     ),
     "quick": Sweep(
         widths=(32, 64),
         n_layers=2,
-        steps=3,
+        steps=(3, 2),
         batch=2,
         seq_len=16,
-        warmup=1,
         lr_at_128=3e-3,
         eval_batches=1,
         meas_batch=2,
@@ -192,27 +191,36 @@ def _sqrt_ratio(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     return math.sqrt(q), 0.5 * se / math.sqrt(q)
 
 
-def one_width(width: int, sw: Sweep, data, log) -> dict:
+def width_config(width: int, sw: Sweep):
+    """The training settings of the checkpoint of one width (warmup: a tenth of the steps)."""
     from s3req.train import TrainConfig
 
-    cfg = TrainConfig(
+    steps = sw.steps[sw.widths.index(width)]
+    return TrainConfig(
         policy="bf16",
-        steps=sw.steps,
+        steps=steps,
         batch=sw.batch,
         seq_len=sw.seq_len,
         lr=sw.lr_at_128 * 128 / width,
-        warmup=sw.warmup,
+        warmup=max(1, steps // 10),
         eval_every=0,
         eval_batches=sw.eval_batches,
         model=model_overrides(width, sw.n_layers),
     )
+
+
+def one_width(width: int, sw: Sweep, data, log, check: bool) -> dict:
+    """Train the checkpoint of one width and measure everything on it (`check`: also assert
+    that the layer-by-layer forward of Table II equals the model's own)."""
+    cfg = width_config(width, sw)
     t0 = time.perf_counter()
     result, tokens = t2.train_checkpoint(cfg, data, sw.meas_batch, sw.meas_seq)
     train_s = time.perf_counter() - t0
     trained = result.model
     log(f"width {width}: trained in {train_s:.0f} s, val {result.metrics[-1]['val_loss']:.4f}")
     float_model = t2.with_policy(trained, None)
-    t2.check_forward(float_model, tokens)
+    if check:
+        t2.check_forward(float_model, tokens)
     exact = eqx.filter_jit(t2.gradients)(float_model, tokens, None)
     keys = jr.split(jr.key(2024), sw.n_keys)
     rows = {}
@@ -295,6 +303,10 @@ def one_width(width: int, sw: Sweep, data, log) -> dict:
     }
 
 
+def _measure_settings(sw: Sweep) -> dict:
+    return {k: getattr(sw, k) for k in ("meas_batch", "meas_seq", "n_keys", "gemm_keys")}
+
+
 def run(sweep_name: str, out: pathlib.Path) -> dict:
     from s3req.train import load_data
 
@@ -308,7 +320,28 @@ def run(sweep_name: str, out: pathlib.Path) -> dict:
         )
 
     data = load_data(None)
-    widths = [one_width(w, sw, data, log) for w in sw.widths]
+    # Resumable: every finished width is one JSON line of the runs file, reused by a rerun
+    # with the same settings. The order puts the extremes first.
+    path = out / f"table2_width_{sweep_name}_runs.jsonl"
+    done = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec["config"] == width_config(rec["width"], sw).to_dict() and rec.get(
+                "measure"
+            ) == _measure_settings(sw):
+                done[rec["width"]] = rec
+    order = sorted(sw.widths, key=lambda w: (w not in (min(sw.widths), max(sw.widths)), w))
+    for i, w in enumerate(order):
+        if w in done:
+            log(f"width {w}: reused from {path.name}")
+            continue
+        rec = one_width(w, sw, data, log, check=i == 0)
+        rec["measure"] = _measure_settings(sw)
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        done[w] = rec
+    widths = [done[w] for w in sw.widths]
     summary = {
         "sweep": sweep_name,
         "settings": dataclasses.asdict(sw),
@@ -332,7 +365,6 @@ def markdown(s: dict) -> str:
     sw, ws = s["settings"], s["widths"]
     cmd = "python experiments/table2_width.py" + (" --quick" if s["sweep"] == "quick" else "")
     top = sw["n_layers"] - 1
-    tokens = sw["steps"] * sw["batch"] * sw["seq_len"]
     lines = [
         "# Table II across widths: the Phi2D dX penalty and Proposition 1",
         "",
@@ -341,19 +373,23 @@ def markdown(s: dict) -> str:
         "",
         f"Checkpoints: {sw['n_layers']}-layer Llamas (heads of 32, n_kv_heads = n_heads / 2, "
         f"SwiGLU width 3D, byte tokens), trained in float32 (the BF16 row) on Shakespeare for "
-        f"{sw['steps']} steps of {sw['batch']} x {sw['seq_len']} tokens ({tokens:,} tokens, the "
-        f"same for every width), AdamW at the peak rate 3e-3 x 128 / D, warmup {sw['warmup']} + "
-        "cosine decay. This is short training: the checkpoints are far from converged, and the "
-        "wide ones (smaller rate, same tokens) are the least trained.",
+        f"the steps below of {sw['batch']} x {sw['seq_len']} tokens, AdamW at the peak rate "
+        "3e-3 x 128 / D, warmup a tenth of the steps + cosine decay. This is short training: "
+        "the checkpoints are far from converged, and the wide ones (smaller rate, fewer steps, "
+        "to fit the CPU) are the least trained. Times: on the shared CPU, under the load of "
+        "other jobs.",
         "",
-        "| width D | parameters | peak LR | val loss | training (s) | measuring (s) |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| width D | parameters | steps (tokens) | peak LR | val loss | training (s) | "
+        "measuring (s) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for w in ws:
         c = dataclasses.replace(models.get_config(w["config"]["preset"]), **w["config"]["model"])
         n = models.count_params(c)
         lines.append(
-            f"| {w['width']} | {n / 1e6:.2f} M | {w['config']['lr']:.3g} | "
+            f"| {w['width']} | {n / 1e6:.2f} M | {w['config']['steps']} "
+            f"({w['config']['steps'] * sw['batch'] * sw['seq_len']:,}) "
+            f"| {w['config']['lr']:.3g} | "
             f"{w['final_val_loss']:.3f} | {w['train_s']:.0f} | {w['measure_s']:.0f} |"
         )
     lines += [
