@@ -1,10 +1,11 @@
 """Write the paper-versus-ours summary of `docs/results/index.md` from the results JSON files.
 
-Reads `table1_<scale>.json`, `table2.json`, `table3_ffn_speed.json`, `table4_full_step.json`,
-`tpu_compile.json`, `tpu_table4.json`, `theory.json` and `hf_load_memory.json` from `--dir`
-and replaces the block between the markers `<!-- paper-vs-ours:start -->` and
-`<!-- paper-vs-ours:end -->` of `index.md` (appended when the markers are missing); the rest
-of the page is kept. A table whose JSON is missing is listed as not generated.
+Reads `table1_<scale>.json`, `table2.json`, `table2_width.json`, `table3_ffn_speed.json`,
+`table4_full_step.json`, `tpu_compile.json`, `tpu_table4.json`, `theory.json` and
+`hf_load_memory.json` from `--dir` and replaces the block between the markers
+`<!-- paper-vs-ours:start -->` and `<!-- paper-vs-ours:end -->` of `index.md` (appended when
+the markers are missing); the rest of the page is kept. A table whose JSON is missing is
+listed as not generated.
 
     python experiments/results_index.py                     # after the scripts below ran
     python experiments/results_index.py --dir /tmp/r        # smoke test
@@ -107,6 +108,36 @@ def table2(d: pathlib.Path) -> list[str]:
         paper = r["paper"] or [None] * 4
         cells = [f"{_f(p)} / {m:.3f}" for p, m in zip(paper, r["mean"])]
         out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return out
+
+
+def table2_width(d: pathlib.Path) -> list[str]:
+    s = _load(d, "table2_width.json")
+    if s is None:
+        return [
+            "Table II across widths: not generated yet (`python experiments/table2_width.py`)."
+        ]
+    out = [
+        "### Table II across widths ([page](table2_width.md))",
+        "",
+        "`python experiments/table2_width.py`. The S3R (Phi2D) / Independent SR ratio of the "
+        "layer-0 dX error on 2-layer Llamas of growing width (paper, 12-layer model: "
+        f"{0.877 / 0.572:.2f}), beside Proposition 1's prediction from each checkpoint's W.",
+        "",
+        "| width | Phi2D / SR (total) | Phi2D / SR (noise) | Prop. 1 (rms over GEMMs) "
+        "| isolated GEMM: measured / Prop. 1 | EC two-way / SR |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for w in s["widths"]:
+        r = w["ratios_vs_sr"]
+        g = w["gemm"].values()
+        gm = sum(v["ratio"] for v in g) / len(g)
+        gp = sum(v["predicted"] for v in g) / len(g)
+        out.append(
+            f"| {w['width']} | {r['s3r']['total'][0]:.3f} | {r['s3r']['noise'][0]:.3f} "
+            f"| {w['predicted_ratio_mean']:.3f} | {gm:.3f} / {gp:.3f} "
+            f"| {r['s3r-ec-2way']['total'][0]:.3f} |"
+        )
     return out
 
 
@@ -295,7 +326,7 @@ def render(d: pathlib.Path) -> str:
         "below; each table names the command that regenerates it.",
         "",
     ]
-    for fn in (table1, table2, table3, table4, tpu, theory, hf_memory):
+    for fn in (table1, table2, table2_width, table3, table4, tpu, theory, hf_memory):
         parts += fn(d) + [""]
     parts.append(END)
     return "\n".join(parts) + "\n"

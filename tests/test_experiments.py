@@ -175,6 +175,11 @@ def test_table2_width_quick(tmp_path):
     text = (tmp_path / "table2_width.md").read_text()
     assert text.startswith("# Table II across widths") and "Reading (generated" in text
     assert (tmp_path / "table2_width.png").stat().st_size > 0
+    index = _load("results_index")
+    assert "### Table II across widths" in index.main(["--dir", str(tmp_path)])
+    # A rerun reuses every width of the runs file and writes the same page.
+    again = tw.main(["--quick", "--out", str(tmp_path)])
+    assert again["widths"] == json.loads(json.dumps(s["widths"]))
 
 
 def test_table3_smoke(tmp_path):
