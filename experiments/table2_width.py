@@ -549,22 +549,9 @@ def plot(s: dict, path: pathlib.Path) -> None:
     axes[0].legend(fontsize=7)
     ax = axes[4]
     r = [w["ratios_vs_sr"]["s3r"] for w in ws]
-    ax.errorbar(
-        d,
-        [x["total"][0] for x in r],
-        yerr=[x["total_se"][0] for x in r],
-        marker="o",
-        capsize=2,
-        label="model, total error",
-    )
-    ax.errorbar(
-        d,
-        [x["noise"][0] for x in r],
-        yerr=[x["noise_se"][0] for x in r],
-        marker="s",
-        capsize=2,
-        label="model, noise only",
-    )
+    for key, marker, label in (("total", "o", "total error"), ("noise", "s", "noise only")):
+        m, e = [x[key][0] for x in r], [x[f"{key}_se"][0] for x in r]
+        ax.errorbar(d, m, yerr=e, marker=marker, capsize=2, label=f"model, {label}")
     ax.plot(
         d,
         [np.mean([v["ratio"] for v in w["gemm"].values()]) for w in ws],
