@@ -349,7 +349,6 @@ def run(sweep_name: str, out: pathlib.Path) -> dict:
         "device": jax.devices()[0].device_kind,
         "platform": platform.platform(),
         "jax": jax.__version__,
-        "wall_s": round(time.perf_counter() - t0, 1),
     }
     (out / "table2_width.json").write_text(json.dumps(summary, indent=1))
     (out / "table2_width.md").write_text(markdown(summary))
