@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from s3req import AbstractPolicy
-from s3req._ragged import qragged_dot
+from s3req import AbstractPolicy, qragged_dot
 
 from ._config import MoEConfig
 from ._ffn import FFN

@@ -1,6 +1,6 @@
 """Rounding policies for s3req: threshold topologies composed with error corrections."""
 
-from s3req._formats import (
+from s3req import (
     AbstractGradFormat as AbstractGradFormat,
     BlockFloatGrad as BlockFloatGrad,
     FP8_E5M2 as FP8_E5M2,

@@ -1,4 +1,8 @@
-"""Error corrections (S3R-EC): which part of the known rounding error is subtracted."""
+"""Error corrections (S3R-EC): which parts of the known rounding error are subtracted.
+
+A correction receives the GEMM outputs and the engine's [`s3req.AbstractErrorTerms`][] and
+returns the corrected outputs; the engine computes only the terms a correction asks for.
+"""
 
 import typing
 
@@ -9,9 +13,8 @@ from s3req import AbstractCorrection as AbstractCorrection
 class NoEC(AbstractCorrection):
     """No correction: the GEMM outputs are only rescaled."""
 
-    dx_token: typing.ClassVar[bool] = False
-    dx_channel: typing.ClassVar[bool] = False
-    dw: typing.ClassVar[bool] = False
+    def correct(self, terms, dx, dw):
+        return dx, dw
 
 
 @typing.final
@@ -22,9 +25,8 @@ class DxOnlyEC(AbstractCorrection):
     its channels. Enough for `Phi2D` (paper, Table I) and cheaper than the two-way correction.
     """
 
-    dx_token: typing.ClassVar[bool] = True
-    dx_channel: typing.ClassVar[bool] = False
-    dw: typing.ClassVar[bool] = False
+    def correct(self, terms, dx, dw):
+        return dx - terms.dx_token(), dw
 
 
 @typing.final
@@ -36,15 +38,14 @@ class TwoWayEC(AbstractCorrection):
     and every channel. Needed for `PhiBcast`.
     """
 
-    dx_token: typing.ClassVar[bool] = True
-    dx_channel: typing.ClassVar[bool] = True
-    dw: typing.ClassVar[bool] = True
+    def correct(self, terms, dx, dw):
+        dx = dx - terms.dx_token() - terms.dx_channel()
+        return dx, dw - terms.dw_token() - terms.dw_channel()
 
 
 @typing.final
 class DwOnlyEC(AbstractCorrection):
     """The ablation of the paper's Table II: subtract the structured error from dW only."""
 
-    dx_token: typing.ClassVar[bool] = False
-    dx_channel: typing.ClassVar[bool] = False
-    dw: typing.ClassVar[bool] = True
+    def correct(self, terms, dx, dw):
+        return dx, dw - terms.dw_token() - terms.dw_channel()

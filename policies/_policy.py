@@ -4,8 +4,7 @@ import typing
 
 import equinox as eqx
 
-from s3req import AbstractCorrection, AbstractPolicy, AbstractTopology
-from s3req._formats import AbstractGradFormat, INT8
+from s3req import AbstractCorrection, AbstractGradFormat, AbstractPolicy, AbstractTopology, INT8
 
 from ._correction import DxOnlyEC, NoEC, TwoWayEC
 from ._topology import Independent, Nearest, Phi2D, PhiBcast

@@ -3,16 +3,19 @@
 import typing
 
 import equinox as eqx
-from jaxtyping import Array, Int, PRNGKeyArray
+from jaxtyping import PRNGKeyArray
 
 from s3req import (
     AbstractTopology as AbstractTopology,
+    ELEMENT_BITS,
     element_thresholds,
     example_thresholds,
+    Layout,
+    Product,
+    SHARED_BITS,
+    Thresholds,
     token_thresholds,
 )
-from s3req._interfaces import Product
-from s3req._thresholds import ELEMENT_BITS, Layout, SHARED_BITS
 
 
 @typing.final
@@ -31,7 +34,7 @@ class Nearest(AbstractTopology):
     def quantizes_once(self) -> bool:
         return True
 
-    def thresholds(self, key, block, product) -> None:
+    def thresholds(self, key: PRNGKeyArray | None, layout: Layout, product: Product) -> None:
         return None
 
 
@@ -55,10 +58,9 @@ class Independent(AbstractTopology):
     def quantizes_once(self) -> bool:
         return self.shared
 
-    def thresholds(
-        self, key: PRNGKeyArray, block: Layout, product: Product
-    ) -> tuple[Int[Array, "..."], int]:
-        return element_thresholds(key, block), ELEMENT_BITS
+    def thresholds(self, key: PRNGKeyArray | None, layout: Layout, product: Product) -> Thresholds:
+        assert key is not None
+        return element_thresholds(key, layout), ELEMENT_BITS
 
 
 @typing.final
@@ -75,10 +77,9 @@ class Phi2D(AbstractTopology):
     def quantizes_once(self) -> bool:
         return True
 
-    def thresholds(
-        self, key: PRNGKeyArray, block: Layout, product: Product
-    ) -> tuple[Int[Array, "..."], int]:
-        return token_thresholds(key, block), SHARED_BITS
+    def thresholds(self, key: PRNGKeyArray | None, layout: Layout, product: Product) -> Thresholds:
+        assert key is not None
+        return token_thresholds(key, layout), SHARED_BITS
 
 
 @typing.final
@@ -94,10 +95,9 @@ class PhiBcast(AbstractTopology):
     def quantizes_once(self) -> bool:
         return True
 
-    def thresholds(
-        self, key: PRNGKeyArray, block: Layout, product: Product
-    ) -> tuple[Int[Array, "..."], int]:
-        return example_thresholds(key, block), SHARED_BITS
+    def thresholds(self, key: PRNGKeyArray | None, layout: Layout, product: Product) -> Thresholds:
+        assert key is not None
+        return example_thresholds(key, layout), SHARED_BITS
 
 
 @typing.final
@@ -124,7 +124,7 @@ class Split(AbstractTopology):
         return False
 
     def thresholds(
-        self, key: PRNGKeyArray, block: Layout, product: Product
-    ) -> tuple[Int[Array, "..."], int] | None:
+        self, key: PRNGKeyArray | None, layout: Layout, product: Product
+    ) -> Thresholds | None:
         inner = self.dx if product == "dx" else self.dw
-        return inner.thresholds(key, block, product)
+        return inner.thresholds(key if inner.stochastic else None, layout, product)

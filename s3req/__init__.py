@@ -25,8 +25,10 @@ from ._formats import (
 )
 from ._interfaces import (
     AbstractCorrection as AbstractCorrection,
+    AbstractErrorTerms as AbstractErrorTerms,
     AbstractPolicy as AbstractPolicy,
     AbstractTopology as AbstractTopology,
+    Product as Product,
 )
 from ._keys import bind_keys as bind_keys, unbind_keys as unbind_keys
 from ._linear import QuantLinear as QuantLinear
@@ -40,9 +42,9 @@ from ._optim import (
     STATE_DTYPES as STATE_DTYPES,
     tree_bytes as tree_bytes,
 )
+from ._backward import MAX_TERMS as MAX_TERMS
 from ._qdot import (
     gradient_codes as gradient_codes,
-    MAX_TERMS as MAX_TERMS,
     qdot as qdot,
     quantize_gradient as quantize_gradient,
 )
@@ -59,9 +61,13 @@ from ._surgery import quantize as quantize
 from ._threefry import random_bits as random_bits, threefry2x32 as threefry2x32
 from ._thresholds import (
     Block as Block,
+    ELEMENT_BITS as ELEMENT_BITS,
     element_thresholds as element_thresholds,
     example_thresholds as example_thresholds,
+    Layout as Layout,
     Rows as Rows,
+    SHARED_BITS as SHARED_BITS,
+    Thresholds as Thresholds,
     token_thresholds as token_thresholds,
 )
 

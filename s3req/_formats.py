@@ -11,22 +11,53 @@ import typing
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Shaped
 
 from ._float_sr import float_format, sr_float
-from ._quantize import sr_codes
+from ._quantize import gradient_step, sr_codes
+from ._thresholds import Thresholds
 
 
 class AbstractGradFormat(eqx.Module):
-    """The number format of the quantized backward gradient."""
+    """The number format of the quantized backward gradient.
 
-    integer: eqx.AbstractClassVar[bool]
-    """Whether codes are integers with one per-tensor step (then both backward GEMMs are int8
-    GEMMs with int32 accumulation)."""
+    A format rounds the scale-folded gradient `G'` to codes `Q` and one per-tensor step
+    `Delta`, such that `Delta * Q` is `G'` on the format's grid. The backward GEMMs multiply
+    `Q` as its dtype says: int8 codes run as int8 x int8 GEMMs with exact int32 sums, float32
+    codes as float32 GEMMs; then the engine multiplies by `Delta`.
+    """
 
     @abc.abstractmethod
     def describe(self) -> str:
         """A short name for tables."""
+
+    @abc.abstractmethod
+    def round(
+        self, y: Float[Array, "*rows d"], thresholds: Thresholds | None
+    ) -> Shaped[Array, "*rows d"]:
+        """Round `y`, already in units of the format's grid, with the given thresholds (see
+        `quantize`): int8 codes or float32 grid values."""
+
+    @abc.abstractmethod
+    def quantize(
+        self,
+        gp: Float[Array, "*rows d"],
+        amax: Float[Array, ""],
+        thresholds: Thresholds | None,
+    ) -> tuple[Shaped[Array, "*rows d"], Float[Array, ""]]:
+        """Round `G'` with the given thresholds.
+
+        **Arguments:**
+
+        - `gp`: `G'` (float32): the rows of the gradient this computation holds, channels last.
+        - `amax`: `max|G'|` over the whole logical tensor (finite).
+        - `thresholds`: `(t, bits)` from the topology, broadcastable to `gp`, or `None` for
+          round-to-nearest-even.
+
+        **Returns:**
+
+        `(Q, Delta)`: the codes (int8, or float32 values) and the per-tensor step.
+        """
 
 
 @typing.final
@@ -43,7 +74,6 @@ class IntGrad(AbstractGradFormat):
     """
 
     bits: int = eqx.field(default=8, static=True)
-    integer: typing.ClassVar[bool] = True
 
     def __check_init__(self):
         if not 2 <= self.bits <= 8:
@@ -57,9 +87,16 @@ class IntGrad(AbstractGradFormat):
     def describe(self) -> str:
         return f"int{self.bits}"
 
-    def codes(self, y: Float[Array, "..."], t: Int[Array, "..."] | None, bits: int):
-        """Round `y` (in steps, |y| <= qmax) to codes with threshold indices `t`."""
+    def round(self, y, thresholds):
+        """int8 codes of `y` (in steps, `|y| <= qmax`), see [`s3req.sr_codes`][]."""
+        t, bits = (None, 0) if thresholds is None else thresholds
         return sr_codes(y, t, bits, qmax=self.qmax)
+
+    def quantize(self, gp, amax, thresholds):
+        """Codes of `G' / Delta` in `[-qmax, qmax]` (int8), `Delta = max|G'| / qmax`; an
+        all-zero gradient gets `Delta = 0` and all codes 0."""
+        delta, inv = gradient_step(amax, self.qmax)
+        return self.round(jnp.clip(gp * inv, -self.qmax, self.qmax), thresholds), delta
 
 
 @typing.final
@@ -83,7 +120,6 @@ class BlockFloatGrad(AbstractGradFormat):
     dtype: str = eqx.field(static=True)
     block: int | None = eqx.field(default=None, static=True)
     pow2: bool = eqx.field(default=False, static=True)
-    integer: typing.ClassVar[bool] = False
 
     def __check_init__(self):
         if self.dtype not in ("float8_e5m2", "float8_e4m3fn", "float4_e2m1fn"):
@@ -106,9 +142,28 @@ class BlockFloatGrad(AbstractGradFormat):
             s = jnp.exp2(jnp.ceil(jnp.log2(jnp.where(s > 0, s, 1.0))))
         return jnp.where(amax > 0, s, jnp.ones_like(s))
 
-    def round(self, y: Float[Array, "..."], t: Int[Array, "..."] | None, bits: int):
-        """Round `y` (already divided by its scale) onto the grid; float32 result."""
+    def round(self, y, thresholds):
+        """`y` (already divided by its scale) on the float grid, see [`s3req.sr_float`][];
+        float32 result."""
+        t, bits = (None, 0) if thresholds is None else thresholds
         return sr_float(y, jnp.dtype(self.dtype), t, bits=bits).astype(jnp.float32)
+
+    def quantize(self, gp, amax, thresholds):
+        """Grid values of `G' / s` times the block scales `s` (float32). A per-tensor scale
+        is returned as the step instead, so the codes stay on the grid."""
+        if self.block is None:
+            s = self.scales(amax)
+            return self.round(gp / s, thresholds), s
+        *lead, D = gp.shape
+        if D % self.block:
+            raise ValueError(
+                f"s3req: the gradient format {self.describe()} needs the gradient's channels "
+                f"({D} per shard) to be a multiple of the block size {self.block}."
+            )
+        g4 = gp.reshape(*lead, D // self.block, self.block)
+        s = self.scales(jnp.max(jnp.abs(g4), axis=-1, keepdims=True))
+        q = self.round((g4 / s).reshape(gp.shape), thresholds)
+        return (q.reshape(g4.shape) * s).reshape(gp.shape), jnp.ones((), jnp.float32)
 
 
 INT8 = IntGrad(8)

@@ -1,29 +1,31 @@
 """The abstract interfaces the engine calls; `policies` implements them.
 
-The engine (`qdot`, `QuantLinear`) never imports `policies`: it asks a policy's topology for
-thresholds and its correction for which terms of the structured error to subtract.
+The engine (`qdot`, `qragged_dot`, `QuantLinear`) never imports `policies`: it asks a policy's
+topology for thresholds, its gradient format for the codes, and its correction for the
+corrected GEMM outputs. A new topology, format or correction is a new final class
+implementing one of these interfaces; the engine does not change.
 """
 
 import abc
 from typing import Literal
 
 import equinox as eqx
-from jaxtyping import Array, Int, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._formats import AbstractGradFormat
-from ._thresholds import Layout
+from ._thresholds import Layout, Thresholds
 
 
 Product = Literal["dx", "dw"]
+"""Which backward GEMM a gradient's codes feed: the activation (`"dx"`) or weight (`"dw"`) one."""
 
 
 class AbstractTopology(eqx.Module):
     """How stochastic-rounding thresholds are laid out over the gradient tensor `G'`.
 
-    A topology says whether it is stochastic, whether one quantized gradient feeds both
-    backward GEMMs, and produces integer threshold indices `t` with `bits` bits (the real
-    threshold is $(t + 1/2)/2^{bits}$) broadcastable to a `(b, s, d)` block of `G'` (a
-    [`s3req.Block`][]) or to the `(n, d)` rows of an expert GEMM (a [`s3req.Rows`][]).
+    A topology says whether it is stochastic and whether one quantized gradient feeds both
+    backward GEMMs, and returns threshold indices for the part of `G'` a computation holds
+    (its `layout`).
     """
 
     stochastic: eqx.AbstractVar[bool]
@@ -31,33 +33,92 @@ class AbstractTopology(eqx.Module):
 
     @abc.abstractmethod
     def quantizes_once(self) -> bool:
-        """Whether one int8 gradient feeds both the dX and the dW GEMM."""
+        """Whether one quantized gradient feeds both the dX and the dW GEMM."""
 
     @abc.abstractmethod
     def thresholds(
-        self, key: PRNGKeyArray, block: Layout, product: Product
-    ) -> tuple[Int[Array, "b s d"], int] | None:
-        """Threshold indices and their bit width for `product` (`None`: round to nearest even).
+        self, key: PRNGKeyArray | None, layout: Layout, product: Product
+    ) -> Thresholds | None:
+        """Threshold indices for `product`, or `None` to round to nearest even.
 
-        When `quantizes_once()` is true the engine calls this once with `product="dx"` and uses
-        the result for both GEMMs; otherwise it calls it with two independent keys.
+        **Arguments:**
+
+        - `key`: the key of this backward pass; `None` exactly when the topology is not
+          stochastic.
+        - `layout`: the part of `G'` this computation holds: a [`s3req.Block`][] of the dense
+          `(batch, seq, d_out)` tensor, or the expert-sorted `(n, d)` rows of a
+          [`s3req.Rows`][].
+        - `product`: the GEMM the codes feed. When `quantizes_once()` is true the engine calls
+          this once with `"dx"` and uses the codes for both GEMMs; otherwise once per product,
+          with two independent keys.
+
+        **Returns:**
+
+        `(t, bits)`, `t` integer with a shape that broadcasts against the layout's block of
+        `G'`: `(b, s, d)` for a `Block` (e.g. `(b, s, 1)` for one threshold per token), `(n, d)`
+        for `Rows` (e.g. `(n, 1)`). Or `None`.
         """
+
+
+class AbstractErrorTerms(abc.ABC):
+    """The structured rounding error of the backward gradient, passed through both GEMMs.
+
+    The engine implements this and hands it to [`s3req.AbstractCorrection.correct`][]. With
+    the rounding error $E = \\Delta Q - G'$ of every segment (an example of a dense layer, an
+    `(example, expert)` segment of an expert GEMM), token means $\\varepsilon$, channel means
+    $a$ and grand mean $m$, the structured part is $P = a + \\varepsilon - m$. Each method
+    returns one part of $P$'s image in a GEMM output, in the units of the GEMM outputs the
+    correction receives (before the final division by the scales), with the rank of that
+    output and broadcastable to it. A term is computed only when a correction asks for it.
+
+    For a topology that quantizes twice, the dX terms come from the dX codes and the dW terms
+    from the dW codes.
+    """
+
+    @abc.abstractmethod
+    def dx_token(self) -> Float[Array, "..."]:
+        """$\\varepsilon\\, (W_q 1_D)^\\top$: the token means through the dX GEMM."""
+
+    @abc.abstractmethod
+    def dx_channel(self) -> Float[Array, "..."]:
+        """$(a - m)\\, W_q^\\top$ (broadcast over the tokens): the centred channel means
+        through the dX GEMM."""
+
+    @abc.abstractmethod
+    def dw_token(self) -> Float[Array, "..."]:
+        """$X_q^\\top \\varepsilon\\, 1_D^\\top$: the token means through the dW GEMM."""
+
+    @abc.abstractmethod
+    def dw_channel(self) -> Float[Array, "..."]:
+        """$\\sum_b (X_q^\\top 1_S)_b (a - m)_b^\\top$ over segments: the centred channel means
+        through the dW GEMM."""
 
 
 class AbstractCorrection(eqx.Module):
     """Which parts of the structured rounding error (S3R-EC) are subtracted after the GEMMs.
 
-    The rounding error of example `b` is projected onto row-plus-column-constant matrices:
-    $P = a + \\varepsilon - m$ (channel means, token means, grand mean). The correction picks
-    which of its effects on the two products to remove.
+    The rounding error of every segment is projected onto row-plus-column-constant matrices,
+    $P = a + \\varepsilon - m$ (see [`s3req.AbstractErrorTerms`][]); a correction removes
+    some of $P$'s effects on the two products.
     """
 
-    dx_token: eqx.AbstractClassVar[bool]
-    """Subtract the token-mean term $\\varepsilon\\, W 1_D$ from dX."""
-    dx_channel: eqx.AbstractClassVar[bool]
-    """Subtract the channel-mean term $(a - m) W^\\top$ from dX."""
-    dw: eqx.AbstractClassVar[bool]
-    """Subtract both terms of $P$ from dW."""
+    @abc.abstractmethod
+    def correct(
+        self, terms: AbstractErrorTerms, dx: Float[Array, "..."], dw: Float[Array, "..."]
+    ) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
+        """The corrected GEMM outputs.
+
+        **Arguments:**
+
+        - `terms`: the error terms of this backward pass.
+        - `dx`: the dX GEMM output $\\Delta\\, Q W_q^\\top$, before the division by `s_x`.
+        - `dw`: the dW GEMM output $\\Delta\\, X_q^\\top Q$ (summed over the shards), before
+          the division by `s_w`.
+
+        **Returns:**
+
+        `(dx, dw)` with the same shapes, e.g. `(dx - terms.dx_token(), dw)` for dX-only EC.
+        """
 
 
 class AbstractPolicy(eqx.Module):

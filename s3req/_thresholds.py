@@ -64,15 +64,26 @@ class Rows(eqx.Module):
 
     - `row_id`: global id of every row, e.g. `token_index * top_k + slot` (int32, `(n,)`).
     - `example_id`: the example (batch index) of every row (int32, `(n,)`).
-    - `d`: number of channels of the gradient rows.
+    - `d`: number of channels of the gradient rows this computation holds.
+    - `d_start`: global index of its first channel (inside `jax.shard_map` with the channels
+      sharded; default 0).
+    - `d_global`: number of channels of the whole gradient (default `d`).
     """
 
     row_id: Int[Array, " n"]
     example_id: Int[Array, " n"]
     d: int = eqx.field(static=True)
+    d_start: Array | int = 0
+    d_global: int | None = eqx.field(default=None, static=True)
 
 
 Layout = Block | Rows
+"""The part of the gradient `G'` a computation holds: a dense [`s3req.Block`][] or expert
+[`s3req.Rows`][]."""
+
+Thresholds = tuple[Int[Array, "..."], int]
+"""Threshold indices `t` and their bit width `bits`: the real threshold is
+$(t + 1/2)/2^{bits}$. `t` broadcasts against the layout's block of `G'`."""
 
 
 def _cut_7bit(words: Array, byte: Array) -> Array:
@@ -128,11 +139,12 @@ def element_thresholds(key: PRNGKeyArray, block: Layout) -> Int[Array, "..."]:
     """Independent SR: one 32-bit Threefry word per element; its top 23 bits are the threshold.
 
     The words are `jax.random.bits(key, (B, S, D))[block]`; for [`s3req.Rows`][] the counter of
-    element `(row, c)` is `row_id * d + c`.
+    element `(row, c)` is `row_id * d_global + c`, `c` the global channel.
     """
     if isinstance(block, Rows):
-        hi, lo = _mul_wide(block.row_id.astype(jnp.uint32)[:, None], block.d)
-        c = jnp.arange(block.d, dtype=jnp.uint32)[None, :]
+        d_global = block.d if block.d_global is None else block.d_global
+        hi, lo = _mul_wide(block.row_id.astype(jnp.uint32)[:, None], d_global)
+        c = jnp.arange(block.d, dtype=jnp.uint32)[None, :] + jnp.asarray(block.d_start, jnp.uint32)
         lo2 = lo + c
         hi = hi + (lo2 < c).astype(jnp.uint32)
         k0, k1 = key_words(key)

@@ -19,10 +19,7 @@ from policies import (
     Policy,
     TwoWayEC,
 )
-from s3req import absmax_scale, gradient_codes, qdot, round_to_int8
-from s3req._float_sr import grid_neighbours
-from s3req._qdot import _float_gradient
-from s3req._sharding import NO_AXES
+from s3req import absmax_scale, Block, gradient_codes, grid_neighbours, qdot, round_to_int8
 
 
 FORMATS = [INT4, FP8_E5M2, MXFP4, NVFP4]
@@ -95,8 +92,9 @@ def test_unbiased_every_format(fmt, topology, correction, getkey):
 def test_float_codes_on_grid(fmt, getkey):
     x, w, g = _problem(getkey())
     gp = _gp(x, w, g)
-    policy = Policy(Phi2D(), fmt=fmt)
-    deq, _ = _float_gradient(policy, gp, getkey(), NO_AXES)
+    thresholds = Phi2D().thresholds(getkey(), Block.whole(gp.shape), "dx")
+    q, step = fmt.quantize(gp, jnp.max(jnp.abs(gp)), thresholds)
+    deq = q * step
     blk = fmt.block or D
     g4 = gp.reshape(B, S, D // blk, blk)
     amax = jnp.max(jnp.abs(g4), -1, keepdims=True) if fmt.block else jnp.max(jnp.abs(gp))
@@ -141,16 +139,20 @@ def test_formats_errors(getkey):
         gradient_codes(Policy(Phi2D(), fmt=MXFP4), jnp.ones((B, S, D)), getkey())
     from s3req import qragged_dot
 
-    with pytest.raises(NotImplementedError, match="int8"):
-        qragged_dot(
-            jnp.ones((4, 8)),
-            jnp.ones((2, 8, 8)),
+    def ragged(x, w):
+        return qragged_dot(
+            x,
+            w,
             jnp.array([2, 2], jnp.int32),
-            policy=Policy(Phi2D(), fmt=MXFP4),
+            policy=Policy(Phi2D(), fmt=BlockFloatGrad("float4_e2m1fn", 24)),
             key=getkey(),
             row_id=jnp.arange(4, dtype=jnp.int32),
             example_id=jnp.zeros(4, jnp.int32),
+            num_examples=1,
         )
+
+    with pytest.raises(ValueError, match="block size"):
+        jax.vjp(ragged, jnp.ones((4, 8)), jnp.ones((2, 8, 8)))[1](jnp.ones((4, 8)))
 
 
 def test_zero_gradient_every_format(getkey):

@@ -22,23 +22,15 @@ from s3req import (
     Block,
     error_stats,
     gradient_step,
+    MAX_TERMS,
     qdot,
     quantize_gradient,
     round_to_int8,
 )
-from s3req._qdot import (
-    _code_sums,
-    _digits_dot,
-    _sums,
-    _token_contraction,
-    DIGITS,
-    DOT_SUM_MAX,
-    MAX_TERMS,
-    qdot_t,
-    SUM_ALIGN,
-)
+from s3req._backward import _token_contraction
+from s3req._kernels import code_sums, digits_dot, DIGITS, DOT_SUM_MAX, float_sums, SUM_ALIGN
+from s3req._qdot import qdot_t
 from s3req._quantize import QMAX
-from s3req._sharding import NO_AXES
 
 from .helpers import (
     ALL_POLICIES,
@@ -369,7 +361,7 @@ def test_sums_of_gp(shape, getkey):
     g = jr.normal(getkey(), shape) * jnp.exp(jr.normal(getkey(), shape))
     g64 = np.asarray(g, np.float64)
     for axis in (1, 2):
-        got = np.asarray(_sums(g, axis), np.float64)
+        got = np.asarray(float_sums(g, axis), np.float64)
         assert got.shape == tuple(int(n) for n in np.delete(shape, axis))
         bound = shape[axis] * 2.0**-24 * np.abs(g64).sum(axis=axis)
         assert np.all(np.abs(got - g64.sum(axis=axis)) <= bound)
@@ -421,12 +413,12 @@ def test_code_sums(getkey):
         q = jr.randint(getkey(), shape, -127, 128).astype(jnp.int8)
         q64 = np.asarray(q, np.int64)
         for axis in (1, 2):
-            got = _code_sums(q, axis, NO_AXES)
+            got = code_sums(q, axis)
             assert got.dtype == jnp.float32
             np.testing.assert_array_equal(np.asarray(got), q64.sum(axis=axis))
     too_many = jax.ShapeDtypeStruct((1, 2**31 // QMAX + 1, 1), jnp.int8)
     with pytest.raises(ValueError, match="overflow int32"):
-        jax.eval_shape(lambda q: _code_sums(q, 1, NO_AXES), too_many)
+        jax.eval_shape(lambda q: code_sums(q, 1), too_many)
 
 
 def test_int32_overflow_chunked(getkey):
@@ -460,7 +452,7 @@ def test_digits_dot_precision(getkey):
     )
     a = jnp.concatenate([a, jnp.zeros((1, D)), jnp.ones((1, D))])
     m = jr.randint(getkey(), (H, D), -127, 128).astype(jnp.int8)
-    got = np.asarray(_digits_dot(a, m, (1,)), np.float64)
+    got = np.asarray(digits_dot(a, m, (1,)), np.float64)
     a64, m64 = np.asarray(a, np.float64), np.asarray(m, np.float64)
     want = a64 @ m64.T
     bound = 2.0**-21 * np.abs(a64).max(axis=1, keepdims=True) * np.abs(m64).sum(axis=1)
@@ -472,7 +464,7 @@ def test_digits_dot_precision(getkey):
     for n in (1000, 2**31 // (64 * 127) + 1):
         eps = jr.normal(getkey(), (1, 1, n))
         xq = jnp.broadcast_to(jnp.arange(-2, 2, dtype=jnp.int8), (1, n, 4))
-        got = np.asarray(_digits_dot(eps, xq, (0, 1)), np.float64)
+        got = np.asarray(digits_dot(eps, xq, (0, 1)), np.float64)
         want = np.einsum("bs,bsh->h", np.asarray(eps[0], np.float64), np.asarray(xq, np.float64))
         bound = 2.0**-20 * np.abs(np.asarray(eps)).sum() * 2
         assert np.all(np.abs(got[0] - want) <= bound), (n, got, want)

@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 
 from policies import DxOnlyEC, Nearest, NoEC, Phi2D, PhiBcast, Policy, TwoWayEC
-from s3req import absmax_scale, qdot, round_to_int8
-from s3req._qdot import MAX_TERMS
-from s3req._ragged import qragged_dot
+from s3req import absmax_scale, MAX_TERMS, qdot, qragged_dot, round_to_int8
 
 from .helpers import ALL_POLICIES, iter_eqns, policy_id, STOCHASTIC_POLICIES
 

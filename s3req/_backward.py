@@ -1,0 +1,563 @@
+"""One quantized matmul for dense layers and expert GEMMs: forward, backward and error
+correction, as DESIGN.md section 3 writes them.
+
+A [`Dense`][] layer is the GEMM `(b, s, h) @ (h, d)` of `qdot`; a [`Ragged`][] layer is the
+expert GEMM of `qragged_dot`: `(n, h)` rows sorted by expert, expert `e` multiplying its rows
+by `w[e]`. Both are described by the same few operations (`AbstractLayer`): the three GEMMs,
+and the sums over the rows of a *segment*, the unit the error correction averages over (an
+example of a dense layer, an `(example, expert)` segment of an expert GEMM). `forward` and
+`backward` are written once against them, for every topology, format and correction.
+
+This is the reference path: plain reductions and float32 products. The dense layer's
+statistics have an XLA:CPU kernel in `_kernels.py`, chosen per backend when the program is
+lowered (`jax.lax.platform_dependent`).
+"""
+
+import abc
+import functools as ft
+import typing
+from collections.abc import Callable
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Float, Int, Int8, PRNGKeyArray, Shaped
+
+from . import _kernels
+from ._kernels import check_sum_terms
+from ._interfaces import AbstractErrorTerms, AbstractPolicy
+from ._quantize import absmax_scale, QMAX, round_to_int8
+from ._sharding import ShardAxes
+from ._thresholds import Layout, Rows
+
+
+_F32 = jnp.float32
+_I32 = jnp.int32
+
+MAX_TERMS = (2**31 - 1) // (QMAX * QMAX)
+"""Most int8 x int8 products an int32 accumulator can sum without overflow (133143)."""
+
+DW_CHUNK = 2**17
+"""Tokens per int32 partial sum when the dW contraction exceeds `MAX_TERMS`."""
+
+KERNELS: Literal["auto", "reference", "cpu"] = "auto"
+"""Which implementation of the dense layer's statistics is traced: `"auto"` chooses per
+backend when lowering (the CPU kernel on CPU, the reference elsewhere); the other two force
+one (for tests that compare them)."""
+
+
+def _per_backend(reference: Callable, cpu: Callable, *args) -> Array:
+    """`reference(*args)`, or `cpu(*args)` in programs lowered for the CPU (see `KERNELS`)."""
+    if KERNELS == "reference":
+        return reference(*args)
+    if KERNELS == "cpu":
+        return cpu(*args)
+    return jax.lax.platform_dependent(*args, cpu=cpu, default=reference)
+
+
+# --- GEMMs --------------------------------------------------------------------------------
+
+
+def _dot(a: Array, b: Array, contract: tuple, batch: tuple = ((), ())) -> Array:
+    """`dot_general` of codes as their dtypes say: int8 x int8 with int32 sums (exact), else
+    float32 (an int8 operand converted)."""
+    if a.dtype == b.dtype == jnp.int8:
+        return jax.lax.dot_general(a, b, (contract, batch), preferred_element_type=_I32)
+    return jax.lax.dot_general(a.astype(_F32), b.astype(_F32), (contract, batch))
+
+
+def _split_sum(parts: Int[Array, "k ..."]) -> Float[Array, "..."]:
+    """The sum over the first axis of int32 partial sums, exact: their high and low 16-bit
+    parts are summed in int32, and `hi * 2**16 + lo` is rounded once to float32."""
+    hi = jnp.sum(parts >> 16, axis=0)
+    lo = jnp.sum(parts & 0xFFFF, axis=0)
+    return hi.astype(_F32) * 65536.0 + lo.astype(_F32)
+
+
+def _token_contraction(xq: Int8[Array, "b s h"], q: Shaped[Array, "b s d"]) -> Float[Array, "h d"]:
+    """`Xq^T Q` summed over batch and tokens. For int8 codes past `MAX_TERMS` tokens, an int32
+    accumulator could overflow: the tokens are cut into chunks of `DW_CHUNK` and the chunks'
+    int32 partial sums added exactly (`_split_sum`)."""
+    B, S, H = xq.shape
+    D = q.shape[-1]
+    n = B * S
+    if q.dtype != jnp.int8 or n <= MAX_TERMS:
+        return _dot(xq, q, ((0, 1), (0, 1))).astype(_F32)
+    k = -(-n // DW_CHUNK)
+    pad = k * DW_CHUNK - n
+    xc = jnp.pad(xq.reshape(n, H), ((0, pad), (0, 0))).reshape(k, DW_CHUNK, H)
+    qc = jnp.pad(q.reshape(n, D), ((0, pad), (0, 0))).reshape(k, DW_CHUNK, D)
+    return _split_sum(_dot(xc, qc, ((1,), (1,)), ((0,), (0,))))
+
+
+def _ragged(lhs: Array, rhs: Array, group_sizes: Array, dims, rhs_group: bool) -> Array:
+    """`ragged_dot_general` with the rows of `lhs` grouped by `group_sizes`: against the
+    expert's slice of `rhs` (`rhs_group`), or contracting the rows of each group (dW)."""
+    dn = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(dims, ((), ())),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[0] if rhs_group else [],
+    )
+    if lhs.dtype == rhs.dtype == jnp.int8:
+        return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dn, preferred_element_type=_I32)
+    return jax.lax.ragged_dot_general(lhs.astype(_F32), rhs.astype(_F32), group_sizes, dn)
+
+
+def _ragged_token_contraction(
+    xq: Int8[Array, "n h"], q: Shaped[Array, "n d"], group_sizes: Int[Array, " e"]
+) -> Float[Array, "e h d"]:
+    """`Xq_e^T Q_e` for every expert; past `MAX_TERMS` rows of int8 codes the rows are cut
+    into chunks of `DW_CHUNK` (each group clipped to the chunk) summed exactly."""
+    n = xq.shape[0]
+    if q.dtype != jnp.int8 or n <= MAX_TERMS:
+        return _ragged(xq, q, group_sizes, ((0,), (0,)), False).astype(_F32)
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    parts = []
+    for lo in range(0, n, DW_CHUNK):
+        hi = min(lo + DW_CHUNK, n)
+        sizes = jnp.clip(jnp.minimum(ends, hi) - jnp.maximum(starts, lo), 0)
+        parts.append(
+            _ragged(xq[lo:hi], q[lo:hi], sizes.astype(group_sizes.dtype), ((0,), (0,)), False)
+        )
+    return _split_sum(jnp.stack(parts))
+
+
+def _sum(v: Array, axis: int) -> Array:
+    """Sum of codes along `axis` (int8 summed exactly in int32) or of floats, as float32."""
+    if v.dtype != jnp.int8:
+        return jnp.sum(v, axis=axis, dtype=_F32)
+    check_sum_terms(v.shape[axis])
+    return jnp.sum(v, axis=axis, dtype=_I32).astype(_F32)
+
+
+# --- the two layer kinds --------------------------------------------------------------------
+
+
+class AbstractLayer(eqx.Module):
+    """What `forward` and `backward` need to know about a layer kind.
+
+    "Rows" are the tokens of the activations and of the gradient (`(b, s)` for a dense layer,
+    `(n,)` for an expert GEMM), channels last. A *segment* is the set of rows the error
+    correction averages over. Every method returns this shard's values; `backward` adds the
+    shard sums named by `ShardAxes` roles.
+    """
+
+    axes: eqx.AbstractVar[ShardAxes]
+    name: eqx.AbstractClassVar[str]
+    segment_roles: eqx.AbstractClassVar[tuple]
+    """The roles whose shards split the rows of one segment."""
+    owned_segment_roles: eqx.AbstractClassVar[tuple]
+    """The roles whose shards hold different segments (their terms are summed over them)."""
+
+    @abc.abstractmethod
+    def weight_scales(self, w: Array) -> Array:
+        """Per-output-channel scales of `w` (keeping the contracted axis, size 1)."""
+
+    @abc.abstractmethod
+    def gemm(self, xq: Array, wq: Array) -> Array:
+        """The forward GEMM `Xq Wq` (int32, this shard's partial sums over `d_in`)."""
+
+    @abc.abstractmethod
+    def row_scales(self, sw: Array) -> Array:
+        """`s_w` of every row's output channels, broadcastable to the output."""
+
+    @abc.abstractmethod
+    def fold(self, g: Array, sx: Array, sw: Array) -> Array:
+        """`G' = s_x G s_w` in float32."""
+
+    @abc.abstractmethod
+    def layout(self, gp: Array) -> Layout:
+        """The part of the global gradient that `gp` is (for the thresholds)."""
+
+    @abc.abstractmethod
+    def gemm_dx(self, q: Array, wq: Array) -> Array:
+        """`Q Wq^T` (float32)."""
+
+    @abc.abstractmethod
+    def gemm_dw(self, xq: Array, q: Array) -> Array:
+        """`Xq^T Q` (float32, exact for int8 codes)."""
+
+    @abc.abstractmethod
+    def weight_gradient(self, dw: Array, sw: Array) -> Array:
+        """`dW / s_w` in the weight's layout."""
+
+    @abc.abstractmethod
+    def row_sums(self, v: Array) -> Array:
+        """Sums over the channels of every row (float32)."""
+
+    @abc.abstractmethod
+    def segment_sums(self, v: Array) -> Array:
+        """Sums over the rows of every segment, `(segments, *rest)` (float32)."""
+
+    @abc.abstractmethod
+    def segment_tokens(self, gp: Array) -> Array | int:
+        """The number of rows of every segment over all shards, broadcastable against
+        `(segments,)` (empty segments count 1); `gp` is this shard's gradient."""
+
+    @abc.abstractmethod
+    def weight_row_sums(self, wq: Array) -> Array:
+        """`Wq 1_D` for the expert of every row, broadcastable to `(rows, h)`."""
+
+    @abc.abstractmethod
+    def channel_dx(self, am: Array, wq: Array) -> Array:
+        """`(a - m) Wq^T` of every row's segment, broadcastable to `(rows, h)`."""
+
+    @abc.abstractmethod
+    def token_dw(self, xq: Array, eps: Array) -> Array:
+        """`Xq^T eps` of every expert, broadcastable to the shape of dW."""
+
+    @abc.abstractmethod
+    def channel_dw(self, xsum: Array, am: Array) -> Array:
+        """`sum over segments of xsum (a - m)^T` of every expert, the shape of dW."""
+
+
+@typing.final
+class Dense(AbstractLayer):
+    """`qdot`'s layer: `x (b, s, h) @ w`, `w` stored `(h, d)` or, `transposed`, `(d, h)`.
+    Segments are the examples."""
+
+    axes: ShardAxes = eqx.field(static=True)
+    transposed: bool = eqx.field(static=True)
+    name: typing.ClassVar[str] = "s3req.qdot"
+    segment_roles: typing.ClassVar[tuple] = ("seq",)
+    owned_segment_roles: typing.ClassVar[tuple] = ("batch",)
+
+    @property
+    def _h_axis(self) -> int:  # the axis of w holding d_in; the other holds d_out
+        return 1 if self.transposed else 0
+
+    def weight_scales(self, w):
+        return absmax_scale(w, axis=self._h_axis)
+
+    def gemm(self, xq, wq):
+        return _dot(xq, wq, ((2,), (self._h_axis,)))
+
+    def row_scales(self, sw):
+        return sw.reshape(1, 1, -1)
+
+    def fold(self, g, sx, sw):
+        sw = sw.reshape(-1)
+        return _per_backend(
+            lambda g, sx, sw: sx * g.astype(_F32) * sw[None, None, :],
+            _kernels.fold_scales,
+            g,
+            sx,
+            sw,
+        )
+
+    def layout(self, gp):
+        return self.axes.block(gp.shape)
+
+    def gemm_dx(self, q, wq):
+        return _dot(q, wq, ((2,), (1 - self._h_axis,))).astype(_F32)
+
+    def gemm_dw(self, xq, q):
+        return _token_contraction(xq, q)
+
+    def weight_gradient(self, dw, sw):
+        dw = dw / sw.reshape(1, -1)
+        return dw.T if self.transposed else dw  # in the weight's layout, inside the rescaling
+
+    def row_sums(self, v):
+        return _per_backend(lambda v: _sum(v, 2), lambda v: _kernels.sums(v, 2), v)
+
+    def segment_sums(self, v):
+        if v.ndim == 2:  # per-row values, e.g. eps
+            return jnp.sum(v, axis=1)
+        return _per_backend(lambda v: _sum(v, 1), lambda v: _kernels.sums(v, 1), v)
+
+    def segment_tokens(self, gp):
+        return gp.shape[1] * self.axes.size("seq")
+
+    def weight_row_sums(self, wq):
+        d_axis = 1 - self._h_axis
+        return _per_backend(
+            lambda wq: _sum(wq, d_axis)[None, None, :],
+            lambda wq: _kernels.weight_row_sums(wq, d_axis),
+            wq,
+        )
+
+    def channel_dx(self, am, wq):
+        d_axis = 1 - self._h_axis
+        return _per_backend(
+            lambda am, wq: _dot(am, wq, ((1,), (d_axis,)))[:, None, :],
+            lambda am, wq: _kernels.channel_dx(am, wq, d_axis),
+            am,
+            wq,
+        )
+
+    def token_dw(self, xq, eps):
+        return _per_backend(
+            lambda xq, eps: _dot(eps, xq, ((0, 1), (0, 1)))[:, None],
+            _kernels.token_dw,
+            xq,
+            eps,
+        )
+
+    def channel_dw(self, xsum, am):
+        return _per_backend(
+            lambda xsum, am: _dot(xsum, am, ((0,), (0,))), _kernels.channel_dw, xsum, am
+        )
+
+
+@typing.final
+class Ragged(AbstractLayer):
+    """`qragged_dot`'s layer: rows `x (n, h)` sorted by expert (`group_sizes`), `w (E, h, d)`.
+    Segments are the `(example, expert)` pairs, `example * E + expert`.
+
+    Inside `jax.shard_map` the `batch`/`seq` roles split the rows (each shard holds its own
+    rows, `group_sizes`, and their global ids), `d_in` and `d_out` the features.
+    """
+
+    group_sizes: Int[Array, " e"]
+    row_id: Int[Array, " n"]
+    example_id: Int[Array, " n"]
+    axes: ShardAxes = eqx.field(static=True)
+    num_examples: int = eqx.field(static=True)
+    name: typing.ClassVar[str] = "s3req.qragged_dot"
+    segment_roles: typing.ClassVar[tuple] = ("batch", "seq")
+    owned_segment_roles: typing.ClassVar[tuple] = ()
+
+    @property
+    def _experts(self) -> int:
+        return self.group_sizes.shape[0]
+
+    @property
+    def _expert(self) -> Int[Array, " n"]:  # the expert of every row
+        E, n = self._experts, self.row_id.shape[0]
+        return jnp.repeat(jnp.arange(E, dtype=_I32), self.group_sizes, total_repeat_length=n)
+
+    @property
+    def _segment(self) -> Int[Array, " n"]:
+        return self.example_id * self._experts + self._expert
+
+    @property
+    def _segments(self) -> int:
+        return self.num_examples * self._experts
+
+    def weight_scales(self, w):
+        return absmax_scale(w, axis=1)
+
+    def gemm(self, xq, wq):
+        return _ragged(xq, wq, self.group_sizes, ((1,), (1,)), True)
+
+    def row_scales(self, sw):
+        return sw[:, 0, :][self._expert]
+
+    def fold(self, g, sx, sw):
+        return sx * g.astype(_F32) * self.row_scales(sw)
+
+    def layout(self, gp):
+        d = gp.shape[-1]
+        start = self.axes.index("d_out") * d
+        return Rows(self.row_id, self.example_id, d, start, d * self.axes.size("d_out"))
+
+    def gemm_dx(self, q, wq):
+        return _ragged(q, wq, self.group_sizes, ((1,), (2,)), True).astype(_F32)
+
+    def gemm_dw(self, xq, q):
+        return _ragged_token_contraction(xq, q, self.group_sizes)
+
+    def weight_gradient(self, dw, sw):
+        return dw / sw
+
+    def row_sums(self, v):
+        return _sum(v, 1)
+
+    def segment_sums(self, v):
+        if v.dtype == jnp.int8:
+            check_sum_terms(v.shape[0])
+            v = v.astype(_I32)
+        return jax.ops.segment_sum(v, self._segment, self._segments).astype(_F32)
+
+    def segment_tokens(self, gp):
+        ones = jnp.ones(self.row_id.shape, _F32)
+        count = self.axes.psum(self.segment_sums(ones), *self.segment_roles)
+        return jnp.maximum(count, 1.0)
+
+    def weight_row_sums(self, wq):
+        return _sum(wq, 2)[self._expert]
+
+    def channel_dx(self, am, wq):
+        B, E = self.num_examples, self._experts
+        per_segment = jnp.einsum("bed,ehd->beh", am.reshape(B, E, -1), wq.astype(_F32))
+        return per_segment.reshape(B * E, -1)[self._segment]
+
+    def token_dw(self, xq, eps):
+        per_row = xq.astype(_F32) * eps[:, None]
+        return jax.ops.segment_sum(per_row, self._expert, self._experts)[:, :, None]
+
+    def channel_dw(self, xsum, am):
+        B, E = self.num_examples, self._experts
+        return jnp.einsum("beh,bed->ehd", xsum.reshape(B, E, -1), am.reshape(B, E, -1))
+
+
+# --- the error terms ------------------------------------------------------------------------
+
+
+class _ErrorTerms(AbstractErrorTerms):
+    """The error terms of one backward pass, each computed when first asked for.
+
+    The statistics of the error `E = Delta Q - G'` come from sums of the codes and sums of
+    `G'` (`sum E = Delta sum Q - sum G'`), so no full-size error tensor is formed: the sums of
+    the int8 codes are exact, and the sums of `G'` read the tensor `max|G'|` was computed
+    from. (`G' / Delta` is clipped to the grid before rounding; only the largest element can
+    be clipped, by a float rounding, so the means agree with those of `E` to float
+    precision.)
+    """
+
+    def __init__(self, layer: AbstractLayer, gp, codes_dx, codes_dw, xq, wq):
+        self.layer, self.gp, self.xq, self.wq = layer, gp, xq, wq
+        self.codes = {"dx": codes_dx, "dw": codes_dw}
+        self._cache = {}
+
+    @ft.cached_property
+    def _gp_sums(self):
+        ax, layer = self.layer.axes, self.layer
+        rows = ax.psum(layer.row_sums(self.gp), "d_out")
+        segments = ax.psum(layer.segment_sums(self.gp), *layer.segment_roles)
+        return rows, segments
+
+    def _means(self, which: Literal["dx", "dw"]):
+        """Token means `eps` (per row) and centred channel means `a - m` (per segment) of the
+        error of the dX or the dW codes, in units of `G'`."""
+        q, step = self.codes[which]
+        if q is self.codes["dx"][0]:
+            which = "dx"  # quantized once: one set of statistics
+        if which not in self._cache:
+            self._cache[which] = self._statistics(q, step)
+        return self._cache[which]
+
+    def _statistics(self, q, step):
+        ax, layer = self.layer.axes, self.layer
+        gp_rows, gp_segments = self._gp_sums
+        channels = self.gp.shape[-1] * ax.size("d_out")
+        tokens = layer.segment_tokens(self.gp)
+        eps = (step * ax.psum(layer.row_sums(q), "d_out") - gp_rows) / channels
+        q_segments = ax.psum(layer.segment_sums(q), *layer.segment_roles)
+        a = (step * q_segments - gp_segments) / _column(tokens)
+        m = ax.psum(layer.segment_sums(eps), *layer.segment_roles) / tokens
+        return eps, a - m[:, None]
+
+    def dx_token(self):
+        eps, _ = self._means("dx")
+        rw = self.layer.axes.psum(self.layer.weight_row_sums(self.wq), "d_out")
+        return eps[..., None] * rw
+
+    def dx_channel(self):
+        _, am = self._means("dx")
+        return self.layer.axes.psum(self.layer.channel_dx(am, self.wq), "d_out")
+
+    def dw_token(self):
+        eps, _ = self._means("dw")
+        return self.layer.axes.psum(self.layer.token_dw(self.xq, eps), "batch", "seq")
+
+    def dw_channel(self):
+        layer = self.layer
+        _, am = self._means("dw")
+        xsum = layer.axes.psum(layer.segment_sums(self.xq), *layer.segment_roles)
+        return layer.axes.psum(layer.channel_dw(xsum, am), *layer.owned_segment_roles)
+
+
+def _column(v: Array | int) -> Array | int:
+    return v[:, None] if isinstance(v, jax.Array) and v.ndim == 1 else v
+
+
+# --- forward and backward -------------------------------------------------------------------
+
+
+def _checked(v: Array, axes: ShardAxes, roles: tuple, msg: str) -> Array:
+    """`v`, raising at run time if any element is not finite. The flag is reduced over the
+    shards of `roles` first, so inside `shard_map` the check runs on a value that is the same
+    on every shard."""
+    bad = axes.pmax(jnp.any(~jnp.isfinite(v)).astype(_I32), *roles)
+    return eqx.error_if(v, bad > 0, msg)
+
+
+def forward(layer: AbstractLayer, x: Array, w: Array):
+    """Per-row scales of `x`, per-output-channel scales of `w` (global maxima over `d_in`),
+    round to nearest even, the int8 GEMM with int32 sums, rescale. Returns `y` and the
+    residuals `(Xq, Wq, s_x, s_w)`."""
+    ax = layer.axes
+    sx = ax.pmax(absmax_scale(x, axis=-1), "d_in")
+    sw = ax.pmax(layer.weight_scales(w), "d_in")
+    sx = _checked(sx, ax, ("batch", "seq", "d_in"), f"{layer.name}: x contains NaN or Inf.")
+    sw = _checked(sw, ax, ("d_in", "d_out"), f"{layer.name}: w contains NaN or Inf.")
+    xq, wq = round_to_int8(x, sx), round_to_int8(w, sw)
+    acc = ax.psum(layer.gemm(xq, wq), "d_in")  # exact int32 sums
+    y = acc.astype(_F32) * sx * layer.row_scales(sw)
+    return y.astype(x.dtype), (xq, wq, sx, sw)
+
+
+def gradient_max(gp: Array, axes: ShardAxes, name: str) -> Array:
+    """`max|G'|` over the whole logical tensor; raises (at run time) on NaN or Inf."""
+    amax = axes.pmax(jnp.max(jnp.abs(gp)), "batch", "seq", "d_out")
+    return eqx.error_if(
+        amax,
+        ~jnp.isfinite(amax),
+        f"{name}: the upstream gradient contains NaN or Inf (check the loss and the layers "
+        "above this one).",
+    )
+
+
+def quantize(
+    policy: AbstractPolicy,
+    gp: Array,
+    amax: Array,
+    key: PRNGKeyArray | None,
+    layout: Layout,
+):
+    """The codes and step of `G'` for the dX and the dW GEMM, `((Q_dx, Delta), (Q_dw,
+    Delta))`: one pair (the same objects) for topologies that quantize once, else two, rounded
+    with independent keys."""
+    topology, fmt = policy.topology, policy.fmt
+    if topology.quantizes_once():
+        codes = fmt.quantize(gp, amax, topology.thresholds(key, layout, "dx"))
+        return codes, codes
+    assert key is not None
+    kx, kw = jr.split(key)
+    return (
+        fmt.quantize(gp, amax, topology.thresholds(kx, layout, "dx")),
+        fmt.quantize(gp, amax, topology.thresholds(kw, layout, "dw")),
+    )
+
+
+def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g):
+    """dX and dW (float32) of the quantized matmul for the upstream gradient `g`."""
+    xq, wq, sx, sw = residuals
+    ax = layer.axes
+    # Fold both scales into the gradient (float32 even for bf16 G), one per-tensor step.
+    gp = layer.fold(g, sx, sw)
+    amax = gradient_max(gp, ax, layer.name)
+    codes_dx, codes_dw = quantize(policy, gp, amax, key, layout=layer.layout(gp))
+    # The two GEMMs: one set of codes feeds both unless the topology quantizes twice.
+    dx = codes_dx[1] * ax.psum(layer.gemm_dx(codes_dx[0], wq), "d_out")
+    dw = codes_dw[1] * ax.psum(layer.gemm_dw(xq, codes_dw[0]), "batch", "seq")
+    # S3R-EC: the correction subtracts parts of the structured error's image.
+    terms = _ErrorTerms(layer, gp, codes_dx, codes_dw, xq, wq)
+    dx, dw = policy.correction.correct(terms, dx, dw)
+    return dx / sx, layer.weight_gradient(dw, sw)
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def quantized_matmul(policy: AbstractPolicy, layer: AbstractLayer, x, w, key):
+    """`forward(layer, x, w)` with the quantized backward as its VJP."""
+    return forward(layer, x, w)[0]
+
+
+def _fwd(policy, layer, x, w, key):
+    y, residuals = forward(layer, x, w)
+    # Dtypes travel as zero-size arrays (numpy dtype objects cannot be residuals).
+    return y, (layer, residuals, key, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+
+def _bwd(policy, saved, g):
+    layer, residuals, key, x_like, w_like = saved
+    dx, dw = backward(policy, layer, residuals, key, g)
+    return None, dx.astype(x_like.dtype), dw.astype(w_like.dtype), None
+
+
+quantized_matmul.defvjp(_fwd, _bwd)
