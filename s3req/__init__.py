@@ -2,6 +2,7 @@
 
 import importlib.metadata
 
+from ._backward import MAX_TERMS as MAX_TERMS
 from ._dot_general import dot_general as dot_general
 from ._float_sr import (
     float_format as float_format,
@@ -42,7 +43,6 @@ from ._optim import (
     STATE_DTYPES as STATE_DTYPES,
     tree_bytes as tree_bytes,
 )
-from ._backward import MAX_TERMS as MAX_TERMS
 from ._qdot import (
     gradient_codes as gradient_codes,
     qdot as qdot,

@@ -26,8 +26,8 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, Int8, PRNGKeyArray, Shaped
 
 from . import _kernels
-from ._kernels import check_sum_terms
 from ._interfaces import AbstractErrorTerms, AbstractPolicy
+from ._kernels import check_sum_terms
 from ._quantize import absmax_scale, QMAX, round_to_int8
 from ._sharding import ShardAxes
 from ._thresholds import Layout, Rows
@@ -249,7 +249,8 @@ class Dense(AbstractLayer):
         )
 
     def layout(self, gp):
-        return self.axes.block(gp.shape)
+        B, S, D = gp.shape
+        return self.axes.block((B, S, D))
 
     def gemm_dx(self, q, wq):
         return _dot(q, wq, ((2,), (1 - self._h_axis,))).astype(_F32)

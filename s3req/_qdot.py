@@ -197,7 +197,7 @@ def qdot_t(
         return y if axes is None else axes.psum(y, "d_in")
     lead = x.shape[:-1]
     x3 = x.reshape((1,) * (3 - x.ndim) + x.shape)
-    layer = Dense(NO_AXES if axes is None else axes, transposed)
+    layer = Dense(axes=NO_AXES if axes is None else axes, transposed=transposed)
     h_all = w.shape[1 if transposed else 0] * layer.axes.size("d_in")
     d_all = w.shape[0 if transposed else 1] * layer.axes.size("d_out")
     if max(h_all, d_all) > MAX_TERMS:

@@ -142,13 +142,19 @@ def qragged_dot(
             f"accumulation, got w of shape {w.shape} per shard."
         )
     zeros = jnp.zeros((n,), _I32)
-    row_id = zeros if row_id is None else row_id.astype(_I32)
-    example_id = zeros if example_id is None else example_id.astype(_I32)
+    rows = zeros if row_id is None else row_id.astype(_I32)
+    examples = zeros if example_id is None else example_id.astype(_I32)
     if num_examples is not None:
-        example_id = eqx.error_if(
-            example_id,
-            jnp.any((example_id < 0) | (example_id >= num_examples)),
+        examples = eqx.error_if(
+            examples,
+            jnp.any((examples < 0) | (examples >= num_examples)),
             f"s3req.qragged_dot: example_id must lie in [0, num_examples={num_examples}).",
         )
-    layer = Ragged(group_sizes, row_id, example_id, ax, num_examples or 1)
+    layer = Ragged(
+        group_sizes=group_sizes,
+        row_id=rows,
+        example_id=examples,
+        axes=ax,
+        num_examples=num_examples or 1,
+    )
     return quantized_matmul(policy, layer, x, w, key)  # pyright: ignore

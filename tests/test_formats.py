@@ -92,7 +92,7 @@ def test_unbiased_every_format(fmt, topology, correction, getkey):
 def test_float_codes_on_grid(fmt, getkey):
     x, w, g = _problem(getkey())
     gp = _gp(x, w, g)
-    thresholds = Phi2D().thresholds(getkey(), Block.whole(gp.shape), "dx")
+    thresholds = Phi2D().thresholds(getkey(), Block.whole((B, S, D)), "dx")
     q, step = fmt.quantize(gp, jnp.max(jnp.abs(gp)), thresholds)
     deq = q * step
     blk = fmt.block or D
