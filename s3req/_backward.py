@@ -470,12 +470,20 @@ def _column(v: Array | int) -> Array | int:
 # --- forward and backward -------------------------------------------------------------------
 
 
+def guard(v: Array, bad: Array, axes: ShardAxes, roles: tuple, msg: str) -> Array:
+    """`v`, raising `msg` at run time where the flag `bad` is true on any shard of `roles`.
+
+    The flag is reduced over those shards first and guards a scalar multiplied into `v`:
+    inside `shard_map`, `eqx.error_if` needs a value and a predicate that vary over the same
+    mesh axes."""
+    flag = axes.pmax(bad.astype(_I32), *roles)
+    one = eqx.error_if(jnp.ones((), v.dtype), flag > 0, msg)
+    return v * one
+
+
 def _checked(v: Array, axes: ShardAxes, roles: tuple, msg: str) -> Array:
-    """`v`, raising at run time if any element is not finite. The flag is reduced over the
-    shards of `roles` first, so inside `shard_map` the check runs on a value that is the same
-    on every shard."""
-    bad = axes.pmax(jnp.any(~jnp.isfinite(v)).astype(_I32), *roles)
-    return eqx.error_if(v, bad > 0, msg)
+    """`v`, raising at run time if any element (on any shard of `roles`) is not finite."""
+    return guard(v, jnp.any(~jnp.isfinite(v)), axes, roles, msg)
 
 
 def forward(layer: AbstractLayer, x: Array, w: Array):

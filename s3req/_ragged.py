@@ -8,12 +8,11 @@ sorted position, and the error correction runs over `(example, expert)` segments
 examples.
 """
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._backward import MAX_TERMS, quantized_matmul, Ragged
+from ._backward import guard, MAX_TERMS, quantized_matmul, Ragged
 from ._interfaces import AbstractPolicy
 from ._sharding import NO_AXES, ShardAxes
 
@@ -126,16 +125,19 @@ def qragged_dot(
     """
     _check(x, w, group_sizes, policy, key, row_id, example_id, num_examples)
     n = x.shape[0]
-    x = eqx.error_if(
+    ax = NO_AXES if axes is None else axes
+    roles = ("batch", "seq", "d_in", "d_out")
+    x = guard(
         x,
         (jnp.sum(group_sizes) != n) | jnp.any(group_sizes < 0),
+        ax,
+        roles,
         f"s3req.qragged_dot: group_sizes must be non-negative and sum to the {n} rows of x.",
     )
     group_sizes = group_sizes.astype(_I32)
     if policy is None:
         y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes)
-        return y if axes is None else axes.psum(y, "d_in")
-    ax = NO_AXES if axes is None else axes
+        return ax.psum(y, "d_in")
     if max(w.shape[1] * ax.size("d_in"), w.shape[2] * ax.size("d_out")) > MAX_TERMS:
         raise ValueError(
             f"s3req.qragged_dot: feature dimensions above {MAX_TERMS} would overflow int32 "
@@ -145,9 +147,11 @@ def qragged_dot(
     rows = zeros if row_id is None else row_id.astype(_I32)
     examples = zeros if example_id is None else example_id.astype(_I32)
     if num_examples is not None:
-        examples = eqx.error_if(
+        examples = guard(
             examples,
             jnp.any((examples < 0) | (examples >= num_examples)),
+            ax,
+            roles,
             f"s3req.qragged_dot: example_id must lie in [0, num_examples={num_examples}).",
         )
     layer = Ragged(

@@ -1,0 +1,85 @@
+"""The XLA:CPU kernel of the dense layer's statistics against the reference path.
+
+Both compute the same maths (`s3req/_backward.py`); the CPU kernel (`s3req/_kernels.py`)
+writes the sums of `G'` as mat-vecs and the error-correction products with `Wq` and `Xq` as
+int8 GEMMs on base-128 digits. So: without error correction they are the same arithmetic and
+agree bit for bit; with it, the sums of `G'` are float32 sums in another order (error below
+`n 2**-24 sum|G'|` each) and the digit products carry a remainder below `2**-21` of each
+factor's largest entry, so the corrected gradients agree to within `2**-16` of their largest
+entry (a bound with a wide margin over both effects: the measured gap is near `2**-22`).
+"""
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+import s3req._backward as backward
+from policies import MXFP4, NoEC, Phi2D, Policy, TwoWayEC
+from s3req import qdot
+from s3req._qdot import qdot_t
+
+from .helpers import ALL_POLICIES, policy_id
+
+
+def _grads(policy, x, w, g, key, kernels, transposed=False):
+    """(y, dX, dW) of qdot traced with the given statistics kernel."""
+    old = backward.KERNELS
+    backward.KERNELS = kernels
+    try:
+        f = jax.jit(
+            lambda x, w, g, key: _vjp(policy, x, w, g, key, transposed),
+        )
+        return f(x, w, g, key)
+    finally:
+        backward.KERNELS = old
+
+
+def _vjp(policy, x, w, g, key, transposed):
+    fn = (lambda x, w: qdot_t(x, w, policy=policy, key=key)) if transposed else None
+    fn = fn or (lambda x, w: qdot(x, w, policy=policy, key=key))
+    y, pull = jax.vjp(fn, x, w)
+    return (y, *pull(g))
+
+
+POLICIES = ALL_POLICIES + [Policy(Phi2D(), TwoWayEC(), fmt=MXFP4)]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=policy_id)
+@pytest.mark.parametrize("shape", [(3, 16, 64, 48), (1, 32, 32, 64)], ids=str)
+def test_cpu_kernel_agrees_with_reference(policy, shape, getkey):
+    B, S, H, D = shape
+    x = jr.normal(getkey(), (B, S, H), jnp.bfloat16)
+    w = jr.normal(getkey(), (H, D))
+    g = (jr.normal(getkey(), (B, S, D)) * jnp.exp(jr.normal(getkey(), (B, S, D)))).astype(
+        jnp.bfloat16
+    )
+    key = getkey()
+    ref = _grads(policy, x, w, g, key, "reference")
+    cpu = _grads(policy, x, w, g, key, "cpu")
+    np.testing.assert_array_equal(ref[0], cpu[0])  # the forward has no kernel
+    for a, b in zip(ref[1:], cpu[1:]):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if isinstance(policy.correction, NoEC):
+            np.testing.assert_array_equal(a, b)
+        else:
+            bound = 2.0**-16 * np.abs(a).max()
+            assert np.abs(a - b).max() <= bound, (np.abs(a - b).max(), bound)
+    # On this CPU, "auto" lowers the CPU kernel: bit for bit the same program's values.
+    auto = _grads(policy, x, w, g, key, "auto")
+    for a, b in zip(auto, cpu):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_kernels_agree_for_transposed_weights(getkey):
+    """The (d_out, d_in) weight layout of QuantLinear, two-way EC, both kernels."""
+    policy = Policy(Phi2D(), TwoWayEC())
+    x = jr.normal(getkey(), (2, 16, 32))
+    w = jr.normal(getkey(), (48, 32))
+    g = jr.normal(getkey(), (2, 16, 48))
+    key = getkey()
+    ref = _grads(policy, x, w, g, key, "reference", transposed=True)
+    cpu = _grads(policy, x, w, g, key, "cpu", transposed=True)
+    for a, b in zip(ref[1:], cpu[1:]):
+        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 2.0**-16 * np.abs(a).max()
