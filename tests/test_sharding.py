@@ -256,7 +256,7 @@ def test_qragged_dot_inside_shard_map(layout, policy, getkey):
     (matched by global id) and dW."""
     from s3req import qragged_dot
 
-    B, k = 8, 2
+    B = 8
     key = getkey()
     axes, xs, ws, ys = RAGGED_LAYOUTS[layout]
     for mesh_shape in MESHES:
