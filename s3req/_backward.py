@@ -28,7 +28,7 @@ from jaxtyping import Array, Float, Int, Int8, PRNGKeyArray, Shaped
 from . import _kernels
 from ._interfaces import AbstractErrorTerms, AbstractPolicy
 from ._kernels import check_sum_terms
-from ._quantize import absmax_scale, QMAX, round_to_int8
+from ._quantize import absmax_scale, finite_absmax, QMAX, round_to_int8
 from ._sharding import ShardAxes
 from ._thresholds import Layout, Rows
 
@@ -503,7 +503,7 @@ def forward(layer: AbstractLayer, x: Array, w: Array):
 
 def gradient_max(gp: Array, axes: ShardAxes, name: str) -> Array:
     """`max|G'|` over the whole logical tensor; raises (at run time) on NaN or Inf."""
-    amax = axes.pmax(jnp.max(jnp.abs(gp)), "batch", "seq", "d_out")
+    amax = axes.pmax(finite_absmax(gp), "batch", "seq", "d_out")  # a NaN counts as +inf
     return eqx.error_if(
         amax,
         ~jnp.isfinite(amax),
@@ -534,9 +534,32 @@ def quantize(
     )
 
 
+@ft.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def first_order_only(name: str, arrays):
+    """The identity on `arrays`, whose derivative raises (at trace time).
+
+    The backward pass passes its float inputs (the upstream gradient and the scales) through
+    it. First-order autodiff only calls a backward pass; differentiating through one
+    (`jax.grad` of `jax.grad`, `jax.jvp` of `jax.grad`, `jax.hessian`) differentiates its
+    rounding, whose derivative is zero almost everywhere, and would return finite, wrong
+    numbers: this raises instead."""
+    return arrays
+
+
+@first_order_only.defjvp
+def _first_order_only_jvp(name, primals, tangents):
+    raise NotImplementedError(
+        f"{name}: higher-order derivatives (jax.grad of jax.grad, jax.jvp of jax.grad, "
+        "jax.hessian) are not defined: the backward pass rounds the gradient to a low-precision "
+        "grid, whose derivative is zero almost everywhere, so they would be wrong. Take "
+        "second-order quantities of the float model (policy=None)."
+    )
+
+
 def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g):
     """dX and dW (float32) of the quantized matmul for the upstream gradient `g`."""
     xq, wq, sx, sw = residuals
+    g, sx, sw = first_order_only(layer.name, (g, sx, sw))
     ax = layer.axes
     # Fold both scales into the gradient (float32 even for bf16 G), one per-tensor step.
     gp = layer.fold(g, sx, sw)

@@ -5,8 +5,10 @@ writes the sums of `G'` as mat-vecs and the error-correction products with `Wq` 
 int8 GEMMs on base-128 digits. So: without error correction they are the same arithmetic and
 agree bit for bit; with it, the sums of `G'` are float32 sums in another order (error below
 `n 2**-24 sum|G'|` each) and the digit products carry a remainder below `2**-21` of each
-factor's largest entry, so the corrected gradients agree to within `2**-16` of their largest
-entry (a bound with a wide margin over both effects: the measured gap is near `2**-22`).
+factor's largest entry, so the corrected float32 gradients agree to within `2**-16` of their
+largest entry (a bound with a wide margin over both effects: the measured gap is near
+`2**-22`); a bf16 dX may in addition differ by one bf16 ulp (`2**-7` of the element) where
+that float difference flips its final rounding.
 """
 
 import jax
@@ -63,9 +65,10 @@ def test_cpu_kernel_agrees_with_reference(policy, shape, getkey):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         if isinstance(policy.correction, NoEC):
             np.testing.assert_array_equal(a, b)
-        else:
-            bound = 2.0**-16 * np.abs(a).max()
-            assert np.abs(a - b).max() <= bound, (np.abs(a - b).max(), bound)
+        else:  # and one bf16 ulp (2**-7 relative) where the float difference flips its rounding
+            ulp = 2.0**-7 * np.abs(a)  # dX is bf16 here, dW float32
+            bound = 2.0**-16 * np.abs(a).max() + (ulp if a.shape == x.shape else 0)
+            assert np.all(np.abs(a - b) <= bound), np.abs(a - b).max()
     # On this CPU, "auto" lowers the CPU kernel: bit for bit the same program's values.
     auto = _grads(policy, x, w, g, key, "auto")
     for a, b in zip(auto, cpu):
