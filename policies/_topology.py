@@ -3,19 +3,23 @@
 import typing
 
 import equinox as eqx
-from jaxtyping import PRNGKeyArray
+from jaxtyping import Array, Int, PRNGKeyArray
 
 from s3req import (
     AbstractTopology as AbstractTopology,
+    Block,
     ELEMENT_BITS,
     element_thresholds,
     example_thresholds,
-    Layout,
-    Product,
+    Rows,
     SHARED_BITS,
-    Thresholds,
     token_thresholds,
 )
+
+
+Layout = Block | Rows
+Product = typing.Literal["dx", "dw"]
+Thresholds = tuple[Int[Array, "..."], int]
 
 
 @typing.final

@@ -29,7 +29,6 @@ from ._interfaces import (
     AbstractErrorTerms as AbstractErrorTerms,
     AbstractPolicy as AbstractPolicy,
     AbstractTopology as AbstractTopology,
-    Product as Product,
 )
 from ._keys import bind_keys as bind_keys, unbind_keys as unbind_keys
 from ._linear import QuantLinear as QuantLinear
@@ -64,10 +63,8 @@ from ._thresholds import (
     ELEMENT_BITS as ELEMENT_BITS,
     element_thresholds as element_thresholds,
     example_thresholds as example_thresholds,
-    Layout as Layout,
     Rows as Rows,
     SHARED_BITS as SHARED_BITS,
-    Thresholds as Thresholds,
     token_thresholds as token_thresholds,
 )
 
