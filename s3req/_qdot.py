@@ -1,5 +1,6 @@
 """The quantized matmul `qdot` (DESIGN.md section 3) and the gradient quantizer it uses."""
 
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int8, PRNGKeyArray, Shaped

@@ -14,6 +14,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._backward import guard, MAX_TERMS, quantized_matmul, Ragged
 from ._interfaces import AbstractPolicy
+from ._qdot import check_key
 from ._sharding import NO_AXES, ShardAxes
 
 
@@ -25,6 +26,7 @@ _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 def _check(x, w, group_sizes, policy, key, row_id, example_id, num_examples) -> None:
     name = "s3req.qragged_dot"
+    check_key(name, key)
     for arg, arr in (("x", x), ("w", w)):
         if not any(arr.dtype == d for d in _FLOATS):
             raise TypeError(
