@@ -1,8 +1,8 @@
 """Write the paper-versus-ours summary of `docs/results/index.md` from the results JSON files.
 
 Reads `table1_<scale>.json`, `table2.json`, `table2_width.json`, `table3_ffn_speed.json`,
-`table4_full_step.json`, `tpu_compile.json`, `tpu_table4.json`, `theory.json` and
-`hf_load_memory.json` from `--dir` and replaces the block between the markers
+`table4_full_step.json`, `tpu_compile.json`, `tpu_table4.json`, `theory.json`,
+`hf_load_memory.json` and `peers.json` from `--dir` and replaces the block between the markers
 `<!-- paper-vs-ours:start -->` and `<!-- paper-vs-ours:end -->` of `index.md` (appended when
 the markers are missing); the rest of the page is kept. A table whose JSON is missing is
 listed as not generated.
@@ -316,6 +316,29 @@ def tpu(d: pathlib.Path) -> list[str]:
     return out
 
 
+def peers(d: pathlib.Path) -> list[str]:
+    s = _load(d, "peers.json")
+    if s is None:
+        return ["Peers: not generated yet (`python benchmarks/peers.py`)."]
+    t = {n: r["median_s"] for n, r in s["speed"]["ratio_to_rtne"].items()}
+    shared = next(q for q in s["quality"] if q["weight"] == "shared")["rows"]
+    B, S, H, D = s["speed"]["shape"]
+    return [
+        "### The peers: AQT and Qwix ([page](peers.md))",
+        "",
+        f"`{s['meta']['command']}`. The same layer side by side (x {B}x{S}x{H} @ w {H}x{D}, "
+        "CPU): time over s3req INT8 RTNE, and the dX error against the float gradient "
+        "with a weight whose rows share a component.",
+        "",
+        "| method | time / s3req RTNE | dX error, shared rows |",
+        "| --- | ---: | ---: |",
+        *(
+            f"| {n} | {t[n]:.2f} | {shared[n]['dx']['error_vs_float']:.3f} |"
+            for n in ("rtne", "s3r", "s3r-ec-2way", "aqt-rtne", "aqt-sr", "qwix-rtne", "qwix-sr")
+        ),
+    ]
+
+
 def render(d: pathlib.Path) -> str:
     parts = [
         START,
@@ -326,7 +349,7 @@ def render(d: pathlib.Path) -> str:
         "below; each table names the command that regenerates it.",
         "",
     ]
-    for fn in (table1, table2, table2_width, table3, table4, tpu, theory, hf_memory):
+    for fn in (table1, table2, table2_width, table3, table4, tpu, theory, hf_memory, peers):
         parts += fn(d) + [""]
     parts.append(END)
     return "\n".join(parts) + "\n"
