@@ -259,13 +259,14 @@ def measure_quality(
     rows = {}
     for name, layer in layers().items():
         f = fwd_bwd(layer)
-        run = jax.jit(jax.vmap(lambda k, f=f: f(x, w, g, k)[1]))
+        # the operands are arguments, not constants XLA would fold at compile time
+        run = jax.jit(jax.vmap(lambda k, x, w, g, f=f: f(x, w, g, k)[1], (0, None, None, None)))
         y = jax.jit(lambda x, w, layer=layer: layer(x, w, jr.key(0)))(x, w)
         xh, wh = executed_operands(layer, x, w)
         dx_exec, dw_exec = g @ wh.T, jnp.einsum("bsh,bsd->hd", xh, g)
         dxs, dws = [], []
         for chunk in np.split(np.arange(n_keys), groups):
-            dx, dw = run(keys[chunk])
+            dx, dw = run(keys[chunk], x, w, g)
             dxs.append(np.asarray(dx))
             dws.append(np.asarray(dw))
         dx, dw = np.concatenate(dxs), np.concatenate(dws)
