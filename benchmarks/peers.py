@@ -386,10 +386,14 @@ def markdown(s: dict) -> str:
         "accurate than s3req's.",
         "- Qwix's default noise (`channelwise_noise_axes=(0,)`) is one uniform value per "
         "example: the rounding errors of an example's tokens and channels are correlated, "
-        "and a weight whose rows share a component sums them coherently in dX.",
-        "- AQT's backward quantizes the saved float `x` and `w` again along the backward "
-        "GEMMs' contraction axes, so its gradient is measured against a different operand "
-        "than the executed forward's: a bias no number of keys averages away.",
+        "and a weight whose rows share a component sums them coherently in dX. s3req's S3R "
+        "without error correction correlates its rounding errors too (shared threshold "
+        "structure) and shows the same effect on that weight; its error corrections remove it.",
+        "- A z above 5 for a stochastic row is a bias against that method's own executed "
+        "forward that more keys do not average away. This script measures it; it does not "
+        "isolate its cause (candidates: AQT quantizes the saved operands again in its "
+        "backward; the peers map absmax to 127.5 and clip to 127, so a row's largest "
+        "element cannot round up).",
     ]
     return "\n".join(out) + "\n"
 

@@ -321,14 +321,17 @@ def peers(d: pathlib.Path) -> list[str]:
     if s is None:
         return ["Peers: not generated yet (`python benchmarks/peers.py`)."]
     t = {n: r["median_s"] for n, r in s["speed"]["ratio_to_rtne"].items()}
-    shared = next(q for q in s["quality"] if q["weight"] == "shared")["rows"]
+    q = next(q for q in s["quality"] if q["weight"] == "shared")
+    shared = q["rows"]
     B, S, H, D = s["speed"]["shape"]
+    b, n_tok, h, d = q["shape"]
     return [
         "### The peers: AQT and Qwix ([page](peers.md))",
         "",
-        f"`{s['meta']['command']}`. The same layer side by side (x {B}x{S}x{H} @ w {H}x{D}, "
-        "CPU): time over s3req INT8 RTNE, and the dX error against the float gradient "
-        "with a weight whose rows share a component.",
+        f"`{s['meta']['command']}`. The same layer side by side on the CPU: time over s3req "
+        f"INT8 RTNE (x {B}x{S}x{H} @ w {H}x{D}), and the dX error against the float gradient "
+        f"with a weight whose rows share a component (x {b}x{n_tok}x{h} @ w {h}x{d}, mean over "
+        f"{q['keys']} keys).",
         "",
         "| method | time / s3req RTNE | dX error, shared rows |",
         "| --- | ---: | ---: |",

@@ -3,6 +3,7 @@
 import pathlib
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -12,6 +13,21 @@ pytest.importorskip("qwix", reason="qwix is in the `peers` extra, not in `test`"
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
 import peers  # noqa: E402
+
+
+# aqtp 0.9.0 calls jnp.promote_types on arrays (a JAX deprecation warning, raised as an error
+# by the project's filterwarnings); it is AQT's code, not ours
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Implicit conversion of an array to a dtype:DeprecationWarning"
+)
+
+
+@pytest.fixture(autouse=True)
+def _standard_promotion():
+    """Qwix multiplies int32 by float32 arrays: it needs JAX's standard dtype promotion (the
+    project's conftest makes it strict)."""
+    with jax.numpy_dtype_promotion("standard"):
+        yield
 
 
 STOCHASTIC = [n for n in peers.METHODS if "rtne" not in n]
