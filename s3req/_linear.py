@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from ._backward import guard
 from ._interfaces import AbstractPolicy
 from ._qdot import qdot_t
-from ._sharding import ShardAxes
+from ._sharding import NO_AXES, ShardAxes
 
 
 @typing.final
@@ -124,9 +125,13 @@ class QuantLinear(eqx.Module):
             )
         y = qdot_t(x, self.weight, policy=self.policy, key=key, axes=axes)
         if self.bias is not None:
-            bias = eqx.error_if(
+            # Inside `shard_map` the bias is a `d_out` shard: the flag is reduced over those
+            # shards so that every shard raises together.
+            bias = guard(
                 self.bias,
                 ~jnp.all(jnp.isfinite(self.bias)),
+                NO_AXES if axes is None else axes,
+                ("d_out",),
                 "QuantLinear: bias contains NaN or Inf.",
             )
             y = y + jnp.broadcast_to(bias.astype(y.dtype), y.shape)
