@@ -55,10 +55,10 @@ from s3req.tpu import compile_for_tpu, tpu_mesh, TPUProgram  # noqa: E402
 from s3req.train import (  # noqa: E402
     make_optimizer,
     make_train_step,
+    param_shardings,
     TrainConfig,
     TrainState,
 )
-from s3req.train._sharding import _spec_for  # noqa: E402
 
 
 TOPOLOGY = "v5p:2x2x1"
@@ -142,16 +142,11 @@ def compile_ffn(name: str, mesh, h: int, d: int, batch: int, seq: int) -> TPUPro
 def _shard(tree, mesh):
     """Give every `ShapeDtypeStruct` of a model or optimizer-state tree the FSDP x TP
     sharding that `s3req.train.param_shardings` gives the same parameter."""
-    return jtu.tree_map_with_path(
-        lambda path, x: (
-            jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=NamedSharding(mesh, _spec_for(path, x.shape, mesh))
-            )
-            if isinstance(x, jax.ShapeDtypeStruct)
-            else x
-        ),
+    return jtu.tree_map(
+        lambda x, s: x if s is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         tree,
-        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct),
+        param_shardings(tree, mesh),
+        is_leaf=lambda x: x is None,
     )
 
 

@@ -99,3 +99,34 @@ def test_parameter_specs():
     assert tuple(layer.attn.o_proj.weight.spec) == (None, "fsdp", "tp")  # row-parallel
     assert tuple(layer.mlp.down.weight.spec) == (None, "fsdp", "tp")
     assert tuple(sh.norm.weight.spec) == (None,)
+
+
+def test_parameter_specs_of_abstract_trees():
+    """`param_shardings` on `ShapeDtypeStruct` trees (a model from `eqx.filter_eval_shape`,
+    its AdamW state from `jax.eval_shape`) gives the concrete parameters' specs."""
+    import collections
+
+    import equinox as eqx
+    import jax.random as jr
+
+    from models import get_config, Llama
+    from s3req.train import make_optimizer
+
+    mesh = make_mesh("fsdp=4,tp=2")
+    m = Llama(get_config("tiny"), PRESETS["s3r"], key=jr.key(0))
+    abstract = eqx.filter_eval_shape(Llama, get_config("tiny"), PRESETS["s3r"], key=jr.key(0))
+    specs = lambda tree: [
+        None if s is None else tuple(s.spec)
+        for s in jax.tree.leaves(param_shardings(tree, mesh), is_leaf=lambda x: x is None)
+    ]
+    concrete = specs(m)
+    assert specs(abstract) == concrete
+    assert (None, "tp", "fsdp") in concrete and (None, "fsdp", "tp") in concrete
+    optimizer, _ = make_optimizer(TrainConfig())
+    opt = jax.eval_shape(optimizer.init, eqx.filter(m, eqx.is_inexact_array))
+    sh = param_shardings(opt, mesh)
+    moments = [s for s in jax.tree.leaves(sh) if s is not None and tuple(s.spec) != ()]
+    # AdamW's two moments mirror the parameters' paths, so they get the parameters' specs.
+    params = [s for s in concrete if s is not None and s != ()]
+    count = lambda specs: collections.Counter(map(repr, specs))
+    assert count(tuple(s.spec) for s in moments) == count(params * 2)

@@ -106,21 +106,51 @@ def _spec_for(path, shape: tuple[int, ...], mesh: Mesh) -> P:
     return P(*axes)
 
 
-def param_shardings(model: eqx.Module, mesh: Mesh) -> typing.Any:
+def param_shardings(model: typing.Any, mesh: Mesh) -> typing.Any:
     """A pytree like `model` with a `NamedSharding` for every array (`None` elsewhere).
+
+    The leaves may also be `jax.ShapeDtypeStruct`s, as in a model built abstractly with
+    `eqx.filter_eval_shape(models.Llama, config, policy, key=key)` or an optimizer state from
+    `jax.eval_shape`: each gets the sharding its array would get, so a program can be
+    lowered and compiled for `mesh` (e.g. with `s3req.tpu.compile_for_tpu`) without
+    allocating the parameters. The rule depends only on a leaf's attribute path and shape,
+    so an optimizer state whose leaves mirror the model's paths (AdamW's moments) is
+    sharded like the parameters.
 
     **Arguments:**
 
-    - `model`: a `models.Llama` (or any model built from `QuantLinear` layers).
-    - `mesh`: a mesh from [`s3req.train.make_mesh`][].
+    - `model`: a `models.Llama` (or any model built from `QuantLinear` layers), or a pytree
+      holding one (an optimizer state); arrays or `jax.ShapeDtypeStruct` leaves.
+    - `mesh`: a mesh with axes `fsdp` and `tp`, e.g. from [`s3req.train.make_mesh`][].
 
     **Returns:**
 
     The shardings.
+
+    ```python
+    import equinox as eqx
+    import jax
+    import jax.random as jr
+
+    import models
+    from s3req.train import make_mesh, param_shardings
+
+    cfg = models.PRESETS["tiny"]
+    abstract = eqx.filter_eval_shape(models.Llama, cfg, None, key=jr.key(0))
+    shardings = param_shardings(abstract, make_mesh("fsdp=1,tp=1"))
+    placed = jax.tree.map(
+        lambda x, s: x if s is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        abstract,
+        shardings,
+        is_leaf=lambda x: x is None,
+    )
+    ```
     """
     return jtu.tree_map_with_path(
         lambda path, x: (
-            NamedSharding(mesh, _spec_for(path, x.shape, mesh)) if eqx.is_array(x) else None
+            NamedSharding(mesh, _spec_for(path, x.shape, mesh))
+            if eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+            else None
         ),
         model,
     )
