@@ -86,6 +86,31 @@ DENSE = ("Llama 3.1-8B", "Qwen3-8B")
 # S3R needs RTNE's full-step memory; two-way S3R-EC at most 0.4 GB more on the dense models.
 PAPER_EC_BLOCK = (8.0, 14.0)
 PAPER_TWO_WAY_STEP_GB = 0.4
+# The paper's full-model memory statements (XLA's compile-time estimate on v5p), per model:
+# S3R - RTNE and two-way S3R-EC - S3R in GB; None where the paper gives no figure.
+PAPER_STEP_GB = {
+    "Llama 3.1-8B": ("0 (same)", "<= +0.4"),
+    "Qwen3-8B": ("0 (same)", "<= +0.4"),
+    "Qwen3-30B-A3B": ("+0.4", None),
+    "DeepSeek-V2-Lite": ("+0.7", None),
+}
+# Targets on these compiles (the TPU and engine issues): S3R = RTNE; on one FFN block dX-only
+# <= +5% and two-way <= +14% temporaries over S3R; on a dense step two-way <= +0.4 GB; the
+# MoE steps' EC surplus within 2x of the dense steps'.
+TARGET_DX_PCT, TARGET_TWO_WAY_PCT, TARGET_MOE_RATIO = 5.0, 14.0, 2.0
+# Table III (measured on v5p): speed-up over BF16 of INT8 RTNE, Independent SR and S3R, and
+# the device-time overhead (%) of two-way and dX-only S3R-EC over S3R, per shape.
+PAPER_TABLE3 = {
+    "W1": (1.12, 0.58, 1.08, 13.0, 14.8),
+    "W2": (1.45, 0.91, 1.44, 7.3, 9.6),
+    "W3": (1.73, 1.29, 1.73, -0.6, 1.7),
+    "W4": (1.92, 1.54, 1.92, 4.8, 4.1),
+    "W5": (1.84, 1.53, 1.83, 2.8, 3.3),
+    "W6": (1.89, 1.60, 1.90, 2.7, 3.1),
+    "W7": (1.87, 1.56, 1.87, 3.4, 3.1),
+    "W8": (1.82, 1.58, 1.81, 0.7, 2.7),
+    "W9": (1.81, 1.66, 1.81, 3.8, 2.2),
+}
 # Section IV-D: vector operations per upstream-gradient element over INT8 RTNE.
 PAPER_OPS = {"sr": "120 to 133", "s3r": "-2 to +6", "ec": "15 to 23 (most shapes)"}
 
@@ -279,6 +304,10 @@ def main(argv: list[str] | None = None) -> dict:
                 t0 = time.perf_counter()
                 prog, cfg, batch = compile_step(p, mesh2, preset, args.layers, seq, per_chip)
                 m = t4data["models"].setdefault(label, {})
+                if m.get("n_layers", cfg.n_layers) != cfg.n_layers or m.get("seq", seq) != seq:
+                    # Rows of another cut are not comparable with this one: start afresh.
+                    log(f"table4 {label}: dropping the rows of the {m['n_layers']}-layer cut")
+                    m.pop("policies", None)
                 m.update(
                     {
                         "preset": preset,
@@ -419,7 +448,9 @@ def markdown(s: dict) -> str:
         ]
         lines += _policy_table(s["layer"])
     if s["ffn"]:
-        done = {w: r for w, r in s["ffn"].items() if r.get("policies")}
+        done = {
+            w: s["ffn"][w] for w in models.PAPER_FFN_SHAPES if s["ffn"].get(w, {}).get("policies")
+        }
         missing = [w for w in models.PAPER_FFN_SHAPES if w not in done]
         lines += [
             "",
@@ -470,6 +501,34 @@ def markdown(s: dict) -> str:
             )
         lines += [
             "",
+            "For reference, the paper's Table III beside our S3R-EC memory surplus (the "
+            "paper's columns are times measured on v5p; this compile gives no times, and the "
+            "paper gives its block memory only as the +8-14% range):",
+            "",
+            "| shape | paper: RTNE / SR / S3R speed-up over BF16 | paper: two-way / dX-only "
+            "time over S3R | ours: two-way / dX-only temporaries over S3R | targets met "
+            "(dX-only <= +5%, two-way <= +14%) |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for w, r in done.items():
+            P_ = r["policies"]
+            rt, sr, s3, tw, dx = PAPER_TABLE3[w]
+            ok = []
+            for p, target in (("s3r-ec-dx", TARGET_DX_PCT), ("s3r-ec-2way", TARGET_TWO_WAY_PCT)):
+                if p in P_ and "s3r" in P_:
+                    v = 100 * (
+                        P_[p]["memory"]["temporaries"] / P_["s3r"]["memory"]["temporaries"] - 1
+                    )
+                    ok.append("yes" if v <= target else "**no**")
+                else:
+                    ok.append("—")
+            lines.append(
+                f"| {w} | {rt:.2f} / {sr:.2f} / {s3:.2f} | {tw:+.1f}% / {dx:+.1f}% | "
+                f"{_over(P_, 's3r-ec-2way', 's3r')} / {_over(P_, 's3r-ec-dx', 's3r')} | "
+                f"dX-only {ok[0]}, two-way {ok[1]} |"
+            )
+        lines += [
+            "",
             "Program structure (integer GEMMs / fusions / largest u32 buffer):",
             "",
             "| shape | " + " | ".join(POLICIES) + " |",
@@ -492,14 +551,24 @@ def markdown(s: dict) -> str:
 
 
 def _reading(s: dict) -> str:
-    rows = {w: r["policies"] for w, r in s["ffn"].items() if r.get("policies")}
+    rows = {
+        w: s["ffn"][w]["policies"]
+        for w in models.PAPER_FFN_SHAPES
+        if s["ffn"].get(w, {}).get("policies")
+    }
     temp = lambda P_, p: P_[p]["memory"]["temporaries"]
     parts = []
     eq = [w for w, P_ in rows.items() if "s3r" in P_ and "rtne" in P_]
     if eq:
         d = [100 * (temp(rows[w], "s3r") / temp(rows[w], "rtne") - 1) for w in eq]
-        parts.append(f"S3R temporaries {min(d):+.1f}% to {max(d):+.1f}% over RTNE")
-    for p, label, target in (("s3r-ec-dx", "dX-only", 5.0), ("s3r-ec-2way", "two-way", 14.0)):
+        parts.append(
+            f"at {', '.join(eq)} S3R temporaries {min(d):+.1f}% to {max(d):+.1f}% over RTNE "
+            "(target and paper: the same)"
+        )
+    for p, label, target in (
+        ("s3r-ec-dx", "dX-only", TARGET_DX_PCT),
+        ("s3r-ec-2way", "two-way", TARGET_TWO_WAY_PCT),
+    ):
         ws = [w for w, P_ in rows.items() if p in P_ and "s3r" in P_]
         if ws:
             d = [100 * (temp(rows[w], p) / temp(rows[w], "s3r") - 1) for w in ws]
@@ -507,7 +576,7 @@ def _reading(s: dict) -> str:
             where = f"above it at {', '.join(over)}" if over else "within it everywhere"
             parts.append(
                 f"{label} {min(d):+.1f}% to {max(d):+.1f}% over S3R (target +{target:.0f}%: "
-                f"{where})"
+                f"{where}; paper: +{PAPER_EC_BLOCK[0]:.0f}% to +{PAPER_EC_BLOCK[1]:.0f}%)"
             )
     u32 = [
         (w, p)
@@ -541,12 +610,24 @@ def _reading(s: dict) -> str:
     return "Reading (generated): " + "; ".join(parts) + "."
 
 
+def _gb(P_: dict, a: str, b: str) -> float | None:
+    """Total step memory of policy `a` minus policy `b`, GB (1e9 bytes), or None."""
+    if a not in P_ or b not in P_:
+        return None
+    return (P_[a]["memory"]["total"] - P_[b]["memory"]["total"]) / 1e9
+
+
+def _fmt_gb(v: float | None) -> str:
+    return "—" if v is None else f"{v:+.3f}"
+
+
 def markdown_table4(s: dict) -> str:
     meta = s["meta"]
     cmd = "python benchmarks/tpu_compile.py --parts table4" + (" --smoke" if s["smoke"] else "")
     rows = {f"{n} {p}": r for n, m in s["models"].items() for p, r in m["policies"].items()}
     lines = _header(meta, cmd, "TPU v5p compile: Table IV full-step memory", rows, ops=False)
     first = next(iter(s["models"].values()))
+    cuts = sorted({m["n_layers"] for m in s["models"].values()})
     lines += [
         f"The training step of `experiments/table4_full_step.py` (loss, INT8 backward under "
         "the policy, global-norm clipping, AdamW) compiled for a "
@@ -555,11 +636,11 @@ def markdown_table4(s: dict) -> str:
         f"batch on `fsdp`, {first['batch'] // 4} x {first['seq']} tokens per chip "
         f"({first['batch']} sequences in all), full rematerialisation, bf16 activations. "
         f"**Layer cut:** each model keeps its real widths and vocabulary but only "
-        f"{first['n_layers']} layers (an MoE model keeps its dense first layer if it has "
-        "one; the layers column counts the MoE layers), so totals are not the "
-        "full models' and only differences between policies transfer. Memory per chip, GiB; "
-        f"the paper (full models): S3R = RTNE, S3R-EC two-way at most "
-        f"{PAPER_TWO_WAY_STEP_GB} GB more on the dense models.",
+        f"{' or '.join(map(str, cuts))} layers (the layers column; an MoE model keeps its "
+        "dense first layer if it has one, and the column counts its MoE layers), so totals "
+        "are not the full models' and only differences between policies transfer. Memory "
+        "per chip; the paper's figures are for the full models on v5p (XLA's compile-time "
+        "estimate, as here).",
         "",
     ]
     pols = [p for p in POLICIES if any(p in m["policies"] for m in s["models"].values())]
@@ -569,25 +650,42 @@ def markdown_table4(s: dict) -> str:
         if any(p not in m["policies"] for p in POLICIES)
     ]
     if absent and not s["smoke"]:
-        lines += ["Not compiled yet (a rerun fills them in): " + "; ".join(absent) + ".", ""]
+        lines += ["Not compiled: " + "; ".join(absent) + ".", ""]
     lines += [
-        "| model | layers | " + " | ".join(f"{p} total" for p in pols) + " | "
-        "S3R - RTNE (GB) | two-way - S3R (GB) | dX-only - S3R (GB) |",
-        "| --- | --- |" + " ---: |" * (len(pols) + 3),
+        "Total step memory per chip (GiB):",
+        "",
+        "| model | layers | " + " | ".join(pols) + " |",
+        "| --- | --- |" + " ---: |" * len(pols),
     ]
     for name, m in s["models"].items():
         P_ = m["policies"]
-        tot = lambda p: P_[p]["memory"]["total"] if p in P_ else None
-        gb = lambda a, b: (
-            f"{(P_[a]['memory']['total'] - P_[b]['memory']['total']) / 1e9:+.3f}"
-            if a in P_ and b in P_
-            else "—"
-        )
         lines.append(
             f"| {name} | {m['n_layers']} ({m['moe_layers']} MoE) | "
-            + " | ".join(f"{tot(p) / 2**30:.3f}" if tot(p) is not None else "—" for p in pols)
-            + f" | {gb('s3r', 'rtne')} | {gb('s3r-ec-2way', 's3r')} | "
-            f"{gb('s3r-ec-dx', 's3r')} |"
+            + " | ".join(
+                f"{P_[p]['memory']['total'] / 2**30:.3f}" if p in P_ else "—" for p in pols
+            )
+            + " |"
+        )
+    lines += [
+        "",
+        "Differences of the total (GB), ours for the cut beside the paper's for the full "
+        f"model (targets: S3R = RTNE; two-way - S3R <= +{PAPER_TWO_WAY_STEP_GB} GB on a "
+        f"dense step; an MoE step's EC surplus within {TARGET_MOE_RATIO:.0f}x of the dense "
+        "steps'):",
+        "",
+        "| model | S3R - RTNE | paper | two-way - S3R | paper | dX-only - S3R "
+        "| bcast two-way - bcast | SR - RTNE | RTNE - BF16 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, m in s["models"].items():
+        P_ = m["policies"]
+        paper = PAPER_STEP_GB.get(name, (None, None))
+        lines.append(
+            f"| {name} | {_fmt_gb(_gb(P_, 's3r', 'rtne'))} | {paper[0] or '—'} | "
+            f"{_fmt_gb(_gb(P_, 's3r-ec-2way', 's3r'))} | {paper[1] or '—'} | "
+            f"{_fmt_gb(_gb(P_, 's3r-ec-dx', 's3r'))} | "
+            f"{_fmt_gb(_gb(P_, 's3r-bcast-ec-2way', 's3r-bcast'))} | "
+            f"{_fmt_gb(_gb(P_, 'sr', 'rtne'))} | {_fmt_gb(_gb(P_, 'rtne', 'bf16'))} |"
         )
     lines += [
         "",
@@ -605,31 +703,56 @@ def markdown_table4(s: dict) -> str:
             )
             + " |"
         )
-    dense = [
-        (n, m["policies"])
-        for n, m in s["models"].items()
-        if n in DENSE and {"s3r", "rtne"} <= set(m["policies"])
-    ]
-    if dense:
-        total = lambda P_, p: P_[p]["memory"]["total"]
-        d = [(total(P_, "s3r") - total(P_, "rtne")) / 1e9 for _, P_ in dense]
-        text = (
-            "Reading (generated): on the dense models S3R - RTNE is "
-            f"{min(d):+.3f} to {max(d):+.3f} GB"
-        )
-        tw = [
-            (P_["s3r-ec-2way"]["memory"]["total"] - P_["s3r"]["memory"]["total"]) / 1e9
-            for _, P_ in dense
-            if "s3r-ec-2way" in P_
-        ]
-        if tw:
-            text += (
-                f", two-way S3R-EC - S3R {min(tw):+.3f} to {max(tw):+.3f} GB (paper: at most "
-                f"+{PAPER_TWO_WAY_STEP_GB} GB; here for {first['n_layers']} layers, and the "
-                "surplus of a layer's correction is not live in every layer at once)"
-            )
-        lines += ["", text + "."]
+    lines += ["", _reading_table4(s)]
     return "\n".join(lines) + "\n"
+
+
+def _reading_table4(s: dict) -> str:
+    models_ = s["models"]
+    parts = []
+    eq = {n: _gb(m["policies"], "s3r", "rtne") for n, m in models_.items()}
+    eq = {n: v for n, v in eq.items() if v is not None}
+    if eq:
+        parts.append(
+            "S3R - RTNE "
+            + ", ".join(f"{v:+.3f} GB ({n})" for n, v in eq.items())
+            + " (target and paper on the dense models: the same; paper on the MoE models: "
+            "+0.4 and +0.7 GB)"
+        )
+    surplus = {n: _gb(m["policies"], "s3r-ec-2way", "s3r") for n, m in models_.items()}
+    surplus = {n: v for n, v in surplus.items() if v is not None}
+    dense = {n: v for n, v in surplus.items() if n in DENSE}
+    if dense:
+        over = [n for n, v in dense.items() if v > PAPER_TWO_WAY_STEP_GB]
+        parts.append(
+            "two-way S3R-EC - S3R on the dense cuts "
+            + ", ".join(f"{v:+.3f} GB ({n})" for n, v in dense.items())
+            + f" (target and paper: at most +{PAPER_TWO_WAY_STEP_GB} GB: "
+            + (f"above it for {', '.join(over)}" if over else "within it")
+            + ")"
+        )
+    moe = {n: v for n, v in surplus.items() if n not in DENSE}
+    if moe and dense:
+        ref = max(dense.values())
+        ratios = {n: v / ref for n, v in moe.items()} if ref > 0 else {}
+        if ratios:
+            over = [n for n, r in ratios.items() if r > TARGET_MOE_RATIO]
+            parts.append(
+                "on the MoE cuts "
+                + ", ".join(f"{moe[n]:+.3f} GB ({n}, {r:.1f}x)" for n, r in ratios.items())
+                + f" the largest dense surplus (target: within {TARGET_MOE_RATIO:.0f}x: "
+                + (f"above it for {', '.join(over)}" if over else "within it")
+                + ")"
+            )
+    if not parts:
+        return ""
+    return (
+        "Reading (generated): "
+        + "; ".join(parts)
+        + ". With full rematerialisation one layer's backward temporaries are live at a "
+        "time, so a correction's surplus need not grow with the depth; this page does not "
+        "check that by compiling deeper cuts, so a full model's difference may be larger."
+    )
 
 
 if __name__ == "__main__":
