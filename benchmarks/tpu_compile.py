@@ -447,6 +447,27 @@ def markdown(s: dict) -> str:
             "",
         ]
         lines += _policy_table(s["layer"])
+        L = s["layer"]
+        temp = lambda P_, p: P_[p]["memory"]["temporaries"]
+        if "sr" in L and "rtne" in L:
+            u = L["sr"].get("largest_u32") or {"bytes": 0}
+            elems = B * S * D // 4
+            lines += [
+                "",
+                f"Independent SR: {_mib(L['sr']['memory']['temporaries'])} MiB of temporaries "
+                f"against RTNE's {_mib(L['rtne']['memory']['temporaries'])}, but its largest "
+                f"u32 buffer is {_u32(L, 'sr')}"
+                + (
+                    f", not the {elems * 4 / 2**20:.0f} MiB of one word per gradient element "
+                    "on a chip: the compiler fuses the per-element Threefry into the quantizer "
+                    "fusions (its cost is vector work, the ops column). The extra "
+                    f"{_mib(temp(L, 'sr') - temp(L, 'rtne'))}"
+                    f" MiB are about {elems / 2**20:.0f} MiB, one byte per gradient element, "
+                    "as a second int8 code tensor (Independent SR quantizes G twice) would be."
+                    if u["bytes"] < elems * 4
+                    else ": one word per gradient element is written to memory."
+                ),
+            ]
     if s["ffn"]:
         done = {
             w: s["ffn"][w] for w in models.PAPER_FFN_SHAPES if s["ffn"].get(w, {}).get("policies")

@@ -313,6 +313,24 @@ def tpu(d: pathlib.Path) -> list[str]:
         "| full step, dense: S3R-EC two-way - S3R (GB) | at most +0.4 "
         f"| {span(diff('s3r-ec-2way', 's3r'), '+.3f')} (layer cut) |",
     ]
+    moe = [
+        (n, m["policies"])
+        for n, m in (t4 or {}).get("models", {}).items()
+        if n not in ("Llama 3.1-8B", "Qwen3-8B")
+    ]
+    each = lambda a, b: (
+        ", ".join(
+            f"{(tot(P, a) - tot(P, b)) / 1e9:+.3f} ({n})" for n, P in moe if a in P and b in P
+        )
+        or "n/a"
+    )
+    if moe:
+        out += [
+            "| full step, MoE: S3R - RTNE (GB) | +0.4 (Qwen3-30B-A3B), +0.7 (DeepSeek-V2-Lite) "
+            f"| {each('s3r', 'rtne')} (layer cut) |",
+            "| full step, MoE: S3R-EC two-way - S3R (GB) | not given "
+            f"| {each('s3r-ec-2way', 's3r')} (layer cut) |",
+        ]
     return out
 
 
