@@ -261,7 +261,7 @@ def test_bench_qdot_smoke(tmp_path):
     out = tmp_path / "qdot_speed"
     summary = bq.main(
         ["--shapes", "1x8x64x128", "--repeats", "1", "--allocator", "current"]
-        + ["--out", str(out)]
+        + ["--moe", "tiny-moe", "--moe-budget", "1e8", "--out", str(out)]
     )
     (run,) = summary["runs"]
     assert run["allocator"] == bq.allocator_mode()
@@ -270,8 +270,13 @@ def test_bench_qdot_smoke(tmp_path):
         assert set(row[field]) == set(bq.POLICIES)
     assert all(t > 0 for t in row["fwd_bwd_s"].values())
     assert all(b >= 0 for b in row["temp_bytes"].values())
+    (moe,) = run["moe_rows"]  # tiny-moe at 512 tokens, its widths (within the budget)
+    assert (moe["rows"], moe["h"], moe["d"], moe["scaled"]) == (1024, 128, 128, True)
+    assert set(moe["fwd_bwd_s"]) == set(bq.MOE_POLICIES)
+    assert sum(moe["group_sizes_min_max"]) > 0 and all(t > 0 for t in moe["fwd_bwd_s"].values())
     text = out.with_suffix(".md").read_text()
     assert text.startswith("# qdot speed") and "## Targets" in text
+    assert "## qragged_dot on the MoE presets" in text and "| tiny-moe |" in text
 
 
 def test_allocator_modes():

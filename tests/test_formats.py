@@ -19,7 +19,15 @@ from policies import (
     Policy,
     TwoWayEC,
 )
-from s3req import absmax_scale, Block, gradient_codes, grid_neighbours, qdot, round_to_int8
+from s3req import (
+    absmax_scale,
+    Block,
+    gradient_codes,
+    grid_neighbours,
+    qdot,
+    qragged_dot,
+    round_to_int8,
+)
 
 
 FORMATS = [INT4, FP8_E5M2, MXFP4, NVFP4]
@@ -44,19 +52,37 @@ def _gp(x, w, g):
     return absmax_scale(x, -1) * g * absmax_scale(w, 0)[None]
 
 
-def _step_bound(fmt, gp, bits):
-    """Per-element bound on the rounding bias, in units of G': (grid spacing) / 2**(bits+1)."""
+def _grid(fmt, gp):
+    """`(lo, hi)`: the two grid points of the format that bracket every element of `G'`
+    (`(b, s, d)`), in units of `G'`."""
     if isinstance(fmt, IntGrad):
-        return jnp.full(gp.shape, jnp.max(jnp.abs(gp)) / fmt.qmax * 2.0 ** -(bits + 1))
+        step = jnp.max(jnp.abs(gp)) / fmt.qmax
+        lo = jnp.floor(gp / step)
+        return lo * step, (lo + 1) * step
     Bg, Sg, Dg = gp.shape
     blk = fmt.block or Dg
     g4 = gp.reshape(Bg, Sg, Dg // blk, blk)
     amax = jnp.max(jnp.abs(g4), -1, keepdims=True) if fmt.block else jnp.max(jnp.abs(gp))
     s = fmt.scales(amax)
-    y = (g4 / s).reshape(gp.shape)
-    lo, hi = grid_neighbours(y, jnp.dtype(fmt.dtype))
-    spacing = (jnp.abs(hi - lo).reshape(g4.shape) * s).reshape(gp.shape)
-    return spacing * 2.0 ** -(bits + 1)
+    lo, hi = grid_neighbours((g4 / s).reshape(gp.shape), jnp.dtype(fmt.dtype))
+    return (lo.reshape(g4.shape) * s).reshape(gp.shape), (hi.reshape(g4.shape) * s).reshape(
+        gp.shape
+    )
+
+
+def _step_bound(fmt, gp, bits):
+    """Per-element bound on the rounding bias, in units of G': (grid spacing) / 2**(bits+1)."""
+    lo, hi = _grid(fmt, gp)
+    if isinstance(fmt, IntGrad):
+        return jnp.full(gp.shape, jnp.max(jnp.abs(gp)) / fmt.qmax * 2.0 ** -(bits + 1))
+    return jnp.abs(hi - lo) * 2.0 ** -(bits + 1)
+
+
+def _sr_variance(fmt, gp):
+    """Per-element variance of unbiased stochastic rounding of `G'` onto the format's grid,
+    `(hi - G')(G' - lo)`, in units of `G'` squared."""
+    lo, hi = _grid(fmt, gp)
+    return jnp.abs(hi - gp) * jnp.abs(gp - lo)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.describe())
@@ -86,6 +112,89 @@ def test_unbiased_every_format(fmt, topology, correction, getkey):
         assert jnp.all(err <= 5 * se + b + 1e-5 * jnp.abs(exact)), float(
             jnp.max(err / (5 * se + b + 1e-12))
         )
+
+
+def _ragged_problem(key, n_examples=2, seq=4, top_k=2, E=3):
+    """Expert-sorted rows `(n, H)`, expert weights `(E, H, D)`, an upstream gradient
+    `(n, D)`, `group_sizes` and the global ids of a random routing (distinct experts)."""
+    kr, kx, kw, kg, ks = jr.split(key, 5)
+    T = n_examples * seq
+    experts = jnp.stack([jr.permutation(k, E)[:top_k] for k in jr.split(kr, T)]).reshape(-1)
+    order = jnp.argsort(experts, stable=True).astype(jnp.int32)
+    gs = jnp.bincount(experts, length=E).astype(jnp.int32)
+    n = T * top_k
+    x = jr.normal(kx, (n, H))
+    w = jr.normal(kw, (E, H, D))
+    g = jr.normal(kg, (n, D)) * jnp.exp(jr.normal(ks, (n, D)))
+    ids = dict(row_id=order, example_id=order // top_k // seq)
+    return x, w, g, gs, ids, n_examples
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.describe())
+@pytest.mark.parametrize(
+    "topology, correction",
+    [
+        (Phi2D(), TwoWayEC()),
+        pytest.param(Independent(), NoEC(), marks=pytest.mark.slow),
+    ],
+    ids=["Phi2D-TwoWayEC", "Independent-NoEC"],
+)
+def test_ragged_unbiased_every_format(fmt, topology, correction, getkey):
+    """`qragged_dot` with every non-int8 gradient format: the mean over 1000 keys equals the
+    exact gradient of the dequantized operands, within 5 standard errors (from the measured
+    variance) plus the threshold grid's bias bound (x4 and spread over the tensor with EC,
+    whose (example, expert) segments average the errors, as in the dense test)."""
+    x, w, g, gs, ids, n_examples = _ragged_problem(getkey())
+    policy = Policy(topology, correction, fmt=fmt)
+
+    def grads(key):
+        f = lambda x, w: qragged_dot(
+            x,
+            w,
+            gs,
+            policy=policy,
+            key=key,
+            row_id=ids["row_id"],
+            example_id=ids["example_id"],
+            num_examples=n_examples,
+        )
+        return jax.vjp(f, x, w)[1](g)
+
+    dx, dw = jax.jit(lambda ks: jax.lax.map(grads, ks))(jr.split(getkey(), N_KEYS))
+    expert = np.repeat(np.arange(w.shape[0]), np.asarray(gs))
+    sx = np.asarray(absmax_scale(x, -1), np.float64)
+    sw = np.asarray(absmax_scale(w, 1), np.float64)[:, 0]  # (E, D)
+    xq = np.asarray(round_to_int8(x, absmax_scale(x, -1)), np.float64)
+    wq = np.asarray(round_to_int8(w, absmax_scale(w, 1)), np.float64)
+    g64 = np.asarray(g, np.float64)
+    dx_exact = np.einsum("nd,nhd->nh", g64, (wq * sw[:, None, :])[expert])
+    dw_exact = np.stack([(xq * sx)[expert == e].T @ g64[expert == e] for e in range(len(sw))])
+    gp = sx * g64 * sw[expert]
+    bits = 23 if isinstance(topology, Independent) else 7
+    factor = 1.0 if isinstance(correction, NoEC) else 4.0
+    bias = factor * np.asarray(_step_bound(fmt, jnp.asarray(gp, jnp.float32)[None], bits))[0]
+    if isinstance(correction, TwoWayEC):
+        bias = np.full(bias.shape, bias.max())
+    bias_dx = np.einsum("nd,nhd->nh", bias, np.abs(wq)[expert]) / sx
+    bias_dw = np.stack(
+        [np.abs(xq[expert == e]).T @ bias[expert == e] / sw[e] for e in range(len(sw))]
+    )
+    # Independent without EC rounds every element on its own: the variance of each gradient
+    # entry is known exactly. It bounds the standard error from below where the keys rarely
+    # (or never) see an unlikely rounding of a small element (block floats near zero).
+    var_dx = var_dw = 0.0
+    if isinstance(topology, Independent) and isinstance(correction, NoEC):
+        v = np.asarray(_sr_variance(fmt, jnp.asarray(gp, jnp.float32)[None]), np.float64)[0]
+        var_dx = np.einsum("nd,nhd->nh", v, wq[expert] ** 2) / sx**2
+        var_dw = np.stack(
+            [(xq[expert == e] ** 2).T @ v[expert == e] / sw[e] ** 2 for e in range(len(sw))]
+        )
+    for est, exact, b, var in ((dx, dx_exact, bias_dx, var_dx), (dw, dw_exact, bias_dw, var_dw)):
+        est = np.asarray(est, np.float64)
+        se = np.sqrt(np.maximum(est.var(axis=0), var) / N_KEYS)
+        err = np.abs(est.mean(axis=0) - exact)
+        bound = 5 * se + b + 1e-5 * np.abs(exact)
+        assert np.all(err <= bound), float(np.max(err / bound))
 
 
 @pytest.mark.parametrize("fmt", [FP8_E5M2, MXFP4, NVFP4], ids=lambda f: f.describe())
