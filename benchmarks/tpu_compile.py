@@ -218,6 +218,20 @@ def _commit() -> str:
         return "unknown"
 
 
+def _drop_rows(data: dict, commits: set[str]) -> dict:
+    """`data` without the policy rows compiled at one of `commits` (and without tables
+    left empty)."""
+    keep = lambda P_: {p: r for p, r in P_.items() if r.get("commit") not in commits}
+    if "layer" in data:
+        data["layer"] = keep(data["layer"])
+    for group in ("ffn", "models"):
+        for name in list(data.get(group, {})):
+            data[group][name]["policies"] = keep(data[group][name].get("policies", {}))
+            if not data[group][name]["policies"]:
+                del data[group][name]
+    return data
+
+
 def _load(path: pathlib.Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -247,13 +261,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a test of the script)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
     ap.add_argument("--pages", action="store_true", help="only rewrite the pages from the JSON")
+    ap.add_argument(
+        "--drop-commit",
+        default="",
+        help="with --pages: first remove the rows compiled at these engine commits (comma-"
+        "separated; rows of a superseded engine)",
+    )
     args = ap.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.pages:
+        drop = set(filter(None, args.drop_commit.split(",")))
         for stem, page in (("tpu_compile", markdown), ("tpu_table4", markdown_table4)):
             if (out / f"{stem}.json").is_file():
-                _save(out, stem, _load(out / f"{stem}.json"), page)
+                _save(out, stem, _drop_rows(_load(out / f"{stem}.json"), drop), page)
         return {}
     parts = args.parts.split(",")
     pols = args.policies.split(",")
