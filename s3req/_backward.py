@@ -48,8 +48,9 @@ backend when lowering (the CPU kernel on CPU, the reference elsewhere); the othe
 one (for tests that compare them)."""
 
 
-def _per_backend(reference: Callable, cpu: Callable, *args) -> Array:
-    """`reference(*args)`, or `cpu(*args)` in programs lowered for the CPU (see `KERNELS`)."""
+def _per_backend(reference: Callable, cpu: Callable, *args) -> typing.Any:
+    """`reference(*args)`, or `cpu(*args)` in programs lowered for the CPU (see `KERNELS`);
+    both return the same pytree of arrays."""
     if KERNELS == "reference":
         return reference(*args)
     if KERNELS == "cpu":
@@ -152,6 +153,11 @@ class AbstractLayer(eqx.Module):
     owned_segment_roles: eqx.AbstractClassVar[tuple]
     """The roles whose shards hold different segments (their terms are summed over them)."""
 
+    def per_backend(self, reference, cpu):
+        """`reference`, or in programs lowered for the CPU the values `cpu` of this layer's
+        CPU kernel, where it has one (both are traced; the program keeps one)."""
+        return reference
+
     @abc.abstractmethod
     def weight_scales(self, w: Array) -> Array:
         """Per-output-channel scales of `w` (keeping the contracted axis, size 1)."""
@@ -228,6 +234,9 @@ class Dense(AbstractLayer):
     @property
     def _h_axis(self) -> int:  # the axis of w holding d_in; the other holds d_out
         return 1 if self.transposed else 0
+
+    def per_backend(self, reference, cpu):
+        return _per_backend(lambda r, c: r, lambda r, c: c, reference, cpu)
 
     def weight_scales(self, w):
         return absmax_scale(w, axis=self._h_axis)
@@ -402,11 +411,11 @@ class Ragged(AbstractLayer):
 class _ErrorTerms(AbstractErrorTerms):
     """The error terms of one backward pass, each computed when first asked for.
 
-    The statistics of the error `E = Delta Q - G'` come from sums of the codes and sums of
-    `G'` (`sum E = Delta sum Q - sum G'`), so no full-size error tensor is formed: the sums of
-    the int8 codes are exact, and the sums of `G'` read the tensor `max|G'|` was computed
-    from. (`G' / Delta` is clipped to the grid before rounding; only the largest element can
-    be clipped, by a float rounding, so the means agree with those of `E` to float
+    The statistics are sums of the error `E = Delta Q - G'` over the channels of every row
+    and over the rows of every segment. The reference path sums `E` element by element
+    (`_error_sums`); the CPU kernel sums the codes and `G'` apart (`sum E = Delta sum Q -
+    sum G'`, `_code_sums`). (`G' / Delta` is clipped to the grid before rounding; only the
+    largest element can be clipped, by a float rounding, so the two agree to float
     precision.)
     """
 
@@ -434,14 +443,35 @@ class _ErrorTerms(AbstractErrorTerms):
 
     def _statistics(self, q, step):
         ax, layer = self.layer.axes, self.layer
-        gp_rows, gp_segments = self._gp_sums
         channels = self.gp.shape[-1] * ax.size("d_out")
         tokens = layer.segment_tokens(self.gp)
-        eps = (step * ax.psum(layer.row_sums(q), "d_out") - gp_rows) / channels
-        q_segments = ax.psum(layer.segment_sums(q), *layer.segment_roles)
-        a = (step * q_segments - gp_segments) / _column(tokens)
+        rows, segments = layer.per_backend(self._error_sums(q, step), self._code_sums(q, step))
+        eps = rows / channels
+        a = segments / _column(tokens)
         m = ax.psum(layer.segment_sums(eps), *layer.segment_roles) / tokens
         return eps, a - m[:, None]
+
+    def _error_sums(self, q, step):
+        """Sums of `E = Delta Q - G'` over the channels of every row and over the rows of
+        every segment (all shards), `E` formed inside the sums.
+
+        `E` depends on `Delta`, i.e. on the global `max|G'|`: XLA cannot compute these sums
+        inside the kernel that produces the upstream gradient (there they compete with
+        `max|G'|` for that kernel's outputs, and XLA TPU splits it and writes an
+        intermediate of the gradient's size to memory), so it computes them beside the
+        quantizer, which reads `G'` anyway."""
+        ax, layer = self.layer.axes, self.layer
+        e = step * q.astype(_F32) - self.gp
+        rows = ax.psum(layer.row_sums(e), "d_out")
+        return rows, ax.psum(layer.segment_sums(e), *layer.segment_roles)
+
+    def _code_sums(self, q, step):
+        """The same sums as `_error_sums`, from the sums of the codes (exact) and of `G'`."""
+        ax, layer = self.layer.axes, self.layer
+        gp_rows, gp_segments = self._gp_sums
+        rows = step * ax.psum(layer.row_sums(q), "d_out") - gp_rows
+        segments = step * ax.psum(layer.segment_sums(q), *layer.segment_roles) - gp_segments
+        return rows, segments
 
     def dx_token(self):
         eps, _ = self._means("dx")

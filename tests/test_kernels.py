@@ -3,8 +3,10 @@
 Both compute the same maths (`s3req/_backward.py`); the CPU kernel (`s3req/_kernels.py`)
 writes the sums of `G'` as mat-vecs and the error-correction products with `Wq` and `Xq` as
 int8 GEMMs on base-128 digits. So: without error correction they are the same arithmetic and
-agree bit for bit; with it, the sums of `G'` are float32 sums in another order (error below
-`n 2**-24 sum|G'|` each) and the digit products carry a remainder below `2**-21` of each
+agree bit for bit; with it, the reference sums the error `E = Delta Q - G'` element by
+element and the kernel sums the codes (exactly) and `G'` apart, float32 sums of `n` terms in
+another order (each below `(n + 1) 2**-24 sum|G'|` from the exact sum, the `+ 1` the rounding
+of each `Delta Q - G'`), and the digit products carry a remainder below `2**-21` of each
 factor's largest entry, so the corrected float32 gradients agree to within `2**-16` of their
 largest entry (a bound with a wide margin over both effects: the measured gap is near
 `2**-22`); a bf16 dX may in addition differ by one bf16 ulp (`2**-7` of the element) where
