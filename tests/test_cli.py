@@ -7,12 +7,19 @@ import sys
 import pytest
 
 import s3req.train._data as data_mod
-from s3req.train import CORPUS_INSTALL_COMMAND
+from s3req.train import (
+    CORPUS_INSTALL_COMMAND,
+    model_config,
+    ModelOverrides,
+    MoEOverrides,
+    TrainConfig,
+)
 from s3req.train._checkpoint import load_meta
-from s3req.train._cli import _config_from_args, build_parser, main
+from s3req.train._cli import main, parse
 
 
 SMALL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64}
+SMALL_TYPED = ModelOverrides(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64)
 
 
 def _text_file(folder):
@@ -106,15 +113,24 @@ def test_compare_writes_table_and_plot(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["train", "--policy", "s4r"], "invalid choice: 's4r'"),
-        (["train", "--steps", "-5"], "--steps: must be >= 0"),
-        (["train", "--batch", "0"], "--batch: must be >= 1"),
+        (["train", "--policy", "s4r"], "Unknown policy 's4r'; choose one of: bf16, rtne"),
+        (["train", "--steps", "-5"], "steps must be >= 0, got -5"),
+        (["train", "--steps", "abc"], "argument --steps: invalid literal for int()"),
+        (["train", "--batch", "0"], "batch must be >= 1"),
         (["train", "--seq-len", "512"], "exceeds the model's max_seq_len 256"),
         (["train", "--preset", "huge"], "Unknown model preset 'huge'"),
-        (["train", "--lr", "-1"], "--lr: must be > 0"),
-        (["train", "--tokenizer", "sentencepiece"], "invalid choice"),
+        (["train", "--lr", "-1"], "lr must be > 0"),
+        (["train", "--tokenizer", "sentencepiece"], "Unknown tokenizer 'sentencepiece'"),
+        (["train", "--stepz", "3"], "unrecognized arguments: --stepz 3"),
+        (["train", "--model.width", "3"], "unrecognized arguments: --model.width"),
+        (["train", "--model.n-kv-heads", "3"], "n_kv_heads (3) must divide n_heads (4)"),
+        (["train", "--model.qk-norm", "maybe"], "--model.qk-norm: invalid choice: 'maybe'"),
+        (["train", "--model.moe.top-k", "2"], "set model.moe n_experts, d_expert as well"),
+        (["train", "--mesh"], "argument --mesh: expected a value"),
         (["compare", "--policies", "bf16,nope"], "unknown policy 'nope'"),
-        (["sample"], "--ckpt"),
+        (["sample"], "the following arguments are required: --ckpt"),
+        (["sample", "--ckpt", "x", "--temperature", "hot"], "--temperature"),
+        (["fit"], "unknown command 'fit'; choose one of: train, compare, sample"),
     ],
 )
 def test_bad_flags(argv, message, capsys):
@@ -123,6 +139,7 @@ def test_bad_flags(argv, message, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert message in err
+    assert err.startswith(f"s3req {argv[0]}: error: " if argv[0] != "fit" else "s3req: error")
     assert "usage:" not in err and len(err.splitlines()) <= 2  # short: the error and --help
 
 
@@ -143,6 +160,17 @@ def test_bad_config_file(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--config", str(bad)])
     assert "Unknown training option 'stepz'" in capsys.readouterr().err
+    for model, message in [
+        ({"width": 3}, "Unknown model option 'width'; valid: d_ff, d_model"),
+        ({"vocab_size": 3}, "'vocab_size' cannot be overridden: it is the tokenizer's"),
+        ({"moe": {"experts": 3}}, "Unknown model.moe option 'experts'"),
+        ({"d_model": "wide"}, "model:"),
+    ]:
+        bad.write_text(json.dumps({"model": model}))
+        with pytest.raises(SystemExit):
+            main(["train", "--config", str(bad)])
+        err = capsys.readouterr().err
+        assert message in err and err.startswith(f"s3req train: error: --config {bad}: ")
     bad.write_text("[1, 2]")
     with pytest.raises(SystemExit):
         main(["train", "--config", str(bad)])
@@ -151,15 +179,72 @@ def test_bad_config_file(tmp_path, capsys):
 
 def test_config_file_and_flags(tmp_path):
     cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps({"steps": 7, "batch": 3, "lr": 1, "eval_batches": 0}))
-    parser = build_parser()
-    args = parser.parse_args(["train", "--config", str(cfg), "--batch", "5"])
-    config = _config_from_args(parser, args)
+    cfg.write_text(
+        json.dumps({"steps": 7, "batch": 3, "lr": 1, "eval_batches": 0, "model": {"d_model": 64}})
+    )
+    argv = ["train", "--config", str(cfg), "--batch", "5", "--model.n-layers", "2"]
+    _, args = parse(argv)
+    config = args.run
     assert (config.steps, config.batch, config.lr) == (7, 5, 1.0)  # flags win over the file
     assert config.eval_batches is None  # 0: the whole validation stream
+    assert config.model == ModelOverrides(d_model=64, n_layers=2)  # file and flags merge
     assert config.out == "runs/tiny-s3r-ec-2way"
-    args = parser.parse_args(["compare"])
-    assert _config_from_args(parser, args).out == "runs/compare"
+    _, args = parse([*argv, "--model.d-model", "96", "--config", str(cfg)])
+    assert args.run.model.d_model == 96
+    _, args = parse(["compare"])
+    assert args.run.out == "runs/compare"
+    assert args.policies == "bf16,rtne,sr,s3r,s3r-ec-2way"
+    # The command-line flags that are not part of the config.
+    _, args = parse(["train", "--mesh", "fsdp=4,tp=2", "--resume", "--allow-changes", "--quiet"])
+    assert (args.mesh, args.resume, args.allow_changes, args.quiet) == ("fsdp=4,tp=2", 1, 1, 1)
+    assert not args.overwrite and args.num_processes is None
+    _, args = parse(["train", "--num-processes", "2", "--process-id", "1", "--distributed"])
+    assert (args.num_processes, args.process_id, args.distributed) == (2, 1, True)
+    _, args = parse(["sample", "--ckpt", "runs/x", "--prompt", "ROMEO:", "--temperature", "0"])
+    assert (args.ckpt, args.prompt, args.tokens, args.temperature) == ("runs/x", "ROMEO:", 200, 0)
+    _, args = parse(["train", "--preset", "tiny-moe", "--model.moe.top-k", "1", "--seq_len", "9"])
+    assert args.run.model.moe.top_k == 1 and args.run.seq_len == 9  # underscores work too
+
+
+def test_old_config_files_load(tmp_path):
+    """`--config` files of the dict format: keys with dashes or underscores, integers for
+    floats, `model` a dict of overrides, `eval_batches` null; and a full `config.json`."""
+    old = {
+        "preset": "tiny", "policy": "s3r", "steps": 50, "seq-len": 64, "lr": 1,
+        "eval_batches": None, "out": None,
+        "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64},
+    }  # fmt: skip
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    _, args = parse(["train", "--config", str(path)])
+    assert args.run.model == SMALL_TYPED and args.run.lr == 1.0
+    assert args.run.to_dict()["model"] == SMALL  # written back in the same format
+    full = TrainConfig(steps=5, model=SMALL, out=str(tmp_path / "r")).to_dict()
+    assert full["model"] == SMALL and json.loads(json.dumps(full)) == full
+    path.write_text(json.dumps(full))
+    _, args = parse(["train", "--config", str(path)])
+    assert (
+        args.run
+        == TrainConfig.from_dict(full)
+        == TrainConfig(steps=5, model=SMALL_TYPED, out=str(tmp_path / "r"))
+    )
+    moe = TrainConfig(preset="tiny-moe", model={"moe": {"top_k": 1}, "n_layers": 1})
+    assert moe.to_dict()["model"] == {"n_layers": 1, "moe": {"top_k": 1}}
+    assert model_config(moe, 256).moe.top_k == 1 and model_config(moe, 256).n_layers == 1
+
+
+def test_model_overrides_cover_the_model_config():
+    """The typed overrides name every field of models.LlamaConfig / MoEConfig that a run does
+    not set itself, so a new model field cannot be forgotten here."""
+    import dataclasses
+
+    import models
+
+    llama = {f.name for f in dataclasses.fields(models.LlamaConfig)}
+    ours = {f.name for f in dataclasses.fields(ModelOverrides)}
+    assert ours == llama - {"vocab_size", "compute_dtype", "rope_scaling"}
+    moe = {f.name for f in dataclasses.fields(models.MoEConfig)}
+    assert {f.name for f in dataclasses.fields(MoEOverrides)} == moe
 
 
 def test_missing_corpus_and_checkpoint(tmp_path, monkeypatch, capsys):
@@ -202,8 +287,10 @@ def test_python_dash_m():
         [sys.executable, "-m", "s3req", "train", "--help"], capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr
-    for flag in ("--preset", "--policy", "--steps", "--seq-len", "--resume", "--config"):
+    for flag in ("--preset", "--policy", "--steps", "--seq-len", "--resume", "--config",
+                 "--model.d-model", "--model.moe.top-k", "--eval-batches", "--quiet"):  # fmt: skip
         assert flag in run.stdout
+    assert "(default: 300)" in run.stdout  # the defaults of TrainConfig
     check = (
         "import s3req, sys; "
         "assert 's3req.train' not in sys.modules and 'models' not in sys.modules"

@@ -223,13 +223,16 @@ def test_checkpoint_typed_keys(tmp_path):
         (dict(steps=-1), "steps must be >= 0"),
         (dict(policy="s4r"), "Unknown policy 's4r'; choose one of: bf16"),
         (dict(tokenizer="wordpiece"), "Unknown tokenizer"),
-        (dict(eval_batches=0), "eval_batches"),
+        (dict(eval_batches=-1), "eval_batches"),
+        (dict(model={"width": 3}), "Unknown model option 'width'"),
+        (dict(seq_len=512), "max_seq_len 256"),
         (dict(compute_dtype="float16"), "compute_dtype"),
     ],
 )
 def test_bad_config(kw, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**kw)
+    assert TrainConfig(eval_batches=0).eval_batches is None  # 0: the whole stream
 
 
 def test_bad_run_arguments(tmp_path, data):

@@ -20,6 +20,8 @@ from ._compare import compare as compare
 from ._config import (
     build_model as build_model,
     model_config as model_config,
+    ModelOverrides as ModelOverrides,
+    MoEOverrides as MoEOverrides,
     TrainConfig as TrainConfig,
 )
 from ._data import (

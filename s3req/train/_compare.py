@@ -7,7 +7,7 @@ import sys
 import typing
 from collections.abc import Sequence
 
-from ._config import data_for, model_config, TrainConfig
+from ._config import data_for, TrainConfig
 from ._data import TokenData
 from ._loop import train
 
@@ -61,7 +61,6 @@ def compare(
     if len(set(policies)) != len(policies):
         raise ValueError(f"compare: policies are repeated in {policies}.")
     out = pathlib.Path(config.out)
-    model_config(config, 256)
     if data is None:
         data = data_for(config)
     rows, curves = [], {}

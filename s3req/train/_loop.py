@@ -323,7 +323,6 @@ def train(
     if resume:
         assert out is not None
         _check_resume(out, config, allow_changes)
-    model_config(config, 256)  # Fail fast on a bad preset or seq_len, before loading data.
     if out is not None and not resume:
         _prepare_out(out, overwrite)
     if data is None:
