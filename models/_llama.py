@@ -155,14 +155,25 @@ class Attention(eqx.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-        q = q.reshape(B, S, K, H // K, hd)  # query head h uses kv head h // (H // K)
-        scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=_F32)
-        scores = scores * (1.0 / math.sqrt(hd))
-        causal = jnp.tril(jnp.ones((1, 1, 1, S, S), jnp.bool_))
-        scores = jnp.where(causal, scores, jnp.finfo(_F32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(B, S, H * hd)
-        return self.o_proj(out, key=ko)
+        return self.o_proj(_attend(q, k, v), key=ko)
+
+
+def _attend(q: Array, k: Array, v: Array) -> Array:
+    """Causal grouped-query attention of RoPE'd heads `q` (B, S, H, hd), `k`, `v`
+    (B, S, K, hd): float32 scores and softmax, then (B, S, H * hd) in the dtype of `v`.
+
+    Not `jax.nn.dot_product_attention`: its forward is bitwise equal to this one on CPU, but
+    its gradients of q and k differ by rounding (tests/test_attention.py measures it), so
+    switching would change every training run."""
+    B, S, H, hd = q.shape
+    K = k.shape[2]
+    q = q.reshape(B, S, K, H // K, hd)  # query head h uses kv head h // (H // K)
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=_F32)
+    scores = scores * (1.0 / math.sqrt(hd))
+    causal = jnp.tril(jnp.ones((1, 1, 1, S, S), jnp.bool_))
+    scores = jnp.where(causal, scores, jnp.finfo(_F32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(B, S, H * hd)
 
 
 @typing.final
