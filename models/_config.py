@@ -201,7 +201,7 @@ def count_params(config: LlamaConfig, *, active: bool = False) -> int:
 def flops_per_token(config: LlamaConfig, *, seq_len: int | None = None) -> float:
     """Training FLOPs (forward + backward) per token, the PaLM way.
 
-    $6 N + 12\\, L\\, H\\, d_{head}\\, T$, with $N$ the parameters of the matmuls one token
+    $6 N + 12\\, L\\, H\\, d_\\text{head}\\, T$, with $N$ the parameters of the matmuls one token
     uses (projections, active experts, router, output head; not the embedding lookup or the
     norms) and the second term the attention products (non-causal count, as in PaLM).
 

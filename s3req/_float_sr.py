@@ -4,8 +4,9 @@ Supported targets: `bfloat16`, `float16`, `float8_e4m3fn`, `float8_e5m2` and `fl
 Inputs are float32, bfloat16 or float16; narrower inputs are upcast to float32 first (exactly).
 
 **The grid.** Let a target format have `m` explicit mantissa bits and smallest normal exponent
-`emin`. For $|x| \\ge 2^{emin}$ with $2^e \\le |x| < 2^{e+1}$ the spacing is
-$\\mathrm{ulp}(x) = 2^{e-m}$; below $2^{emin}$ (the subnormals) it is the constant $2^{emin-m}$.
+`emin`. For $|x| \\ge 2^{\\text{emin}}$ with $2^e \\le |x| < 2^{e+1}$ the spacing is
+$\\mathrm{ulp}(x) = 2^{e-m}$; below $2^{\\text{emin}}$ (the subnormals) it is the constant
+$2^{\\text{emin}-m}$.
 The two grid points bracketing $x$ are `lo`, $x$ rounded toward zero onto the grid, and
 `hi = lo + ulp(x)` (away from zero). Stochastic rounding returns `hi` with probability
 $p = (|x| - |lo|) / \\mathrm{ulp}(x)$ and `lo` otherwise, so $E[\\mathrm{SR}(x)] = x$.
@@ -13,8 +14,9 @@ $p = (|x| - |lo|) / \\mathrm{ulp}(x)$ and `lo` otherwise, so $E[\\mathrm{SR}(x)]
 **Exact arithmetic.** Everything is integer arithmetic on the float32 bit pattern. Within one
 binade the magnitude pattern `P` (sign bit cleared) is an integer multiple of the float32 ulp,
 and the target grid is every multiple of $2^s$ in pattern units, with
-$s = 23 - m + \\max(0, emin - e)$: the low `s` bits of `P` are the residual and clearing them
-gives `lo` (a carry out of the mantissa of `lo + 2**s` lands exactly on the next power of two).
+$s = 23 - m + \\max(0, \\text{emin} - e)$: the low `s` bits of `P` are the residual and
+clearing them gives `lo` (a carry out of the mantissa of `lo + 2**s` lands exactly on the next
+power of two).
 Inputs below the smallest target subnormal have `lo = 0` and `hi` = that subnormal. The residual
 is held as a 32-bit fixed-point fraction `f` ($p = f / 2^{32}$).
 
@@ -85,7 +87,7 @@ class FloatFormat:
 
     - `dtype`: the format.
     - `mantissa_bits`: explicit mantissa bits `m`.
-    - `min_exponent`: exponent `emin` of the smallest normal value $2^{emin}$.
+    - `min_exponent`: exponent `emin` of the smallest normal value $2^{\\text{emin}}$.
     - `max_finite`: the largest finite value.
     - `has_inf`: whether the format has an infinity.
     - `has_nan`: whether the format has a NaN.
@@ -100,11 +102,11 @@ class FloatFormat:
 
     @property
     def smallest_subnormal(self) -> float:
-        """$2^{emin - m}$: the grid spacing below the smallest normal value."""
+        """$2^{\\text{emin} - m}$: the grid spacing below the smallest normal value."""
         return 2.0 ** (self.min_exponent - self.mantissa_bits)
 
     def ulp(self, x: Float[Array, "..."]) -> Float[Array, "..."]:
-        """The grid spacing at finite `x` (float32): $2^{\\max(e, emin) - m}$ with
+        """The grid spacing at finite `x` (float32): $2^{\\max(e, \\text{emin}) - m}$ with
         $2^e \\le |x| < 2^{e+1}$ (beyond the largest finite value: the spacing the binade
         would have)."""
         e = _exponent(_magnitude(x.astype(_F32)))
@@ -391,9 +393,9 @@ def stochastic_round(
     the ulp of that value (subnormals included), so $E[\\mathrm{SR}(x)] = x$. The randomness
     is partitionable Threefry indexed by global position ([`s3req.float_thresholds`][]).
 
-    Bias: at most $\\mathrm{ulp}(x)/2^{bits+1}$ for 8 and 16 bits (none when the residual of
-    `x` has at most `bits` bits: float32 to bfloat16 is exact with 16); with 32 bits exactly
-    unbiased except far below the smallest subnormal of the target, where it is under
+    Bias: at most $\\mathrm{ulp}(x)/2^{\\text{bits}+1}$ for 8 and 16 bits (none when the
+    residual of `x` has at most `bits` bits: float32 to bfloat16 is exact with 16); with 32 bits
+    exactly unbiased except far below the smallest subnormal of the target, where it is under
     $\\mathrm{ulp}/2^{32}$.
 
     Special values: finite values beyond the largest finite value saturate to $\\pm$max; NaN

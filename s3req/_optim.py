@@ -165,8 +165,8 @@ def quantize_blockwise(
     The scale of a block maps its largest magnitude to the largest code (127 for int8, 255 for
     uint8, the largest finite value for float8); an all-zero block gets scale 1. Codes are
     stochastically rounded, so `dequantize_blockwise` is unbiased: $E[\\hat x] = x$ (up to the
-    threshold bias of `bits`, at most a code step / $2^{bits+1}$, and one float32 rounding in
-    `x / scale`). uint8 requires `x >= 0`; negative values clip to 0.
+    threshold bias of `bits`, at most a code step / $2^{\\text{bits}+1}$, and one float32
+    rounding in `x / scale`). uint8 requires `x >= 0`; negative values clip to 0.
 
     **Arguments:**
 

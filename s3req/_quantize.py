@@ -68,10 +68,10 @@ def sr_codes(
     """Round `y` (in units of the step, |y| <= 127) to int8 codes.
 
     With `t=None` this is round-to-nearest-even. Otherwise it is
-    $q = \\lfloor y + (t + 1/2)/2^{bits} \\rfloor$, computed in exact integer arithmetic:
-    with $z = \\lfloor 2^{bits+1} y \\rfloor$, $q = (z + 2t + 1) \\gg (bits + 1)$. The only
-    float operation is one multiply by a power of two, so no fused multiply-add can change a
-    rounding between two compilations (bitwise identical under any sharding).
+    $q = \\lfloor y + (t + 1/2)/2^{\\text{bits}} \\rfloor$, computed in exact integer arithmetic:
+    with $z = \\lfloor 2^{\\text{bits}+1} y \\rfloor$, $q = (z + 2t + 1) \\gg (\\text{bits} + 1)$.
+    The only float operation is one multiply by a power of two, so no fused multiply-add can
+    change a rounding between two compilations (bitwise identical under any sharding).
 
     **Arguments:**
 

@@ -1,9 +1,10 @@
 """Stochastic-rounding thresholds from partitionable Threefry, computed from global indices.
 
 A threshold is an integer index `t` with `bits` bits; it stands for the real threshold
-$r = (t + 1/2) / 2^{bits}$, which is uniform on a grid shifted half a step, so rounding with it
-has a bias of at most $\\Delta / 2^{bits+1}$. Seven-bit thresholds (the S3R default) are cut four
-per 32-bit Threefry word; 23-bit thresholds (independent SR) take one word per element.
+$r = (t + 1/2) / 2^{\\text{bits}}$, which is uniform on a grid shifted half a step, so
+rounding with it has a bias of at most $\\Delta / 2^{\\text{bits}+1}$. Seven-bit thresholds (the
+S3R default) are cut four per 32-bit Threefry word; 23-bit thresholds (independent SR) take one
+word per element.
 
 Every function takes a [`s3req.Block`][] that says which block of the global gradient tensor the
 caller holds, so a shard computes exactly its own thresholds (see the scaling-out guide).
@@ -83,7 +84,7 @@ Layout = Block | Rows
 
 Thresholds = tuple[Int[Array, "..."], int]
 """Threshold indices `t` and their bit width `bits`: the real threshold is
-$(t + 1/2)/2^{bits}$. `t` broadcasts against the layout's block of `G'`."""
+$(t + 1/2)/2^{\\text{bits}}$. `t` broadcasts against the layout's block of `G'`."""
 
 
 def _cut_7bit(words: Array, byte: Array) -> Array:
