@@ -296,3 +296,15 @@ def test_python_dash_m():
         "assert 's3req.train' not in sys.modules and 'models' not in sys.modules"
     )
     assert subprocess.run([sys.executable, "-c", check]).returncode == 0
+
+
+def test_missing_train_extra(monkeypatch, capsys):
+    """Without the train extra the command says what to install instead of a traceback."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tyro" else real(name, *a)
+    )
+    assert main(["train", "--steps", "1"]) == 1
+    assert capsys.readouterr().err == "s3req train: needs tyro: pip install 's3req[train]'\n"

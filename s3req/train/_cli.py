@@ -7,6 +7,7 @@ first and becomes the parser's defaults; flags given on the command line overrid
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import pathlib
 import shlex
@@ -235,6 +236,23 @@ def _sample(args: typing.Any) -> int:
     return 0
 
 
+def _missing_packages(name: str) -> list[str]:
+    """The packages of the `train` extra that `name` needs and that are not installed (tyro
+    parses the flags; orbax-checkpoint writes the checkpoints, checked before a run starts)."""
+    needed = {"tyro": "tyro"}
+    if name in ("s3req train", "s3req compare", "s3req sample"):
+        needed["orbax.checkpoint"] = "orbax-checkpoint"
+    missing = []
+    for module, package in needed.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # the parent package is absent
+            found = False
+        if not found:
+            missing.append(package)
+    return missing
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `s3req` console script (and `python -m s3req`).
 
@@ -250,10 +268,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     name = f"s3req {argv[0]}" if argv and argv[0] in _COMMAND_NAMES else "s3req"
-    try:
-        import tyro  # noqa: F401
-    except ImportError:
-        print(f"{name}: the command line needs tyro: {_TRAIN_EXTRA}", file=sys.stderr)
+    missing = _missing_packages(name)
+    if missing:
+        print(f"{name}: needs {' and '.join(missing)}: {_TRAIN_EXTRA}", file=sys.stderr)
         return 1
     try:
         command, args = parse(argv)
