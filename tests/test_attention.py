@@ -24,6 +24,16 @@ def _library(q, k, v):
     return out.reshape(B, S, H * HD)
 
 
+def _forward_and_grads(attend):
+    """One compiled program: the output and the gradients of q, k, v for cotangent `cot`."""
+
+    def run(q, k, v, cot):
+        out, vjp = jax.vjp(attend, q, k, v)
+        return (out, *vjp(cot))
+
+    return jax.jit(run)
+
+
 def _measure(dtype) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Forward output and the gradients of q, k, v (for one random cotangent) of both
     implementations, as float64 arrays: {name: (ours, library)}."""
@@ -32,13 +42,12 @@ def _measure(dtype) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     k = jr.normal(kk, (B, S, K, HD)).astype(dtype)
     v = jr.normal(kv, (B, S, K, HD)).astype(dtype)
     cot = jr.normal(kg, (B, S, H * HD)).astype(dtype)
-    ours, ours_vjp = jax.vjp(jax.jit(_attend), q, k, v)
+    ours = _forward_and_grads(_attend)(q, k, v, cot)
     # In bfloat16 the library mixes in float32 (forward and backward): it fails under strict
     # dtype promotion, which the models support and these tests use.
     with jax.numpy_dtype_promotion("standard"):
-        lib, lib_vjp = jax.vjp(jax.jit(_library), q, k, v)
-        lib_grads = lib_vjp(cot)
-    pairs = [("out", ours, lib)] + list(zip(("dq", "dk", "dv"), ours_vjp(cot), lib_grads))
+        lib = _forward_and_grads(_library)(q, k, v, cot)
+    pairs = list(zip(("out", "dq", "dk", "dv"), ours, lib))
     for name, a, b in pairs:
         assert a.dtype == b.dtype == dtype, name
     return {n: (np.asarray(a, np.float64), np.asarray(b, np.float64)) for n, a, b in pairs}
