@@ -220,19 +220,21 @@ def raw_plays():
 
 
 def engine_commit() -> str:
-    """`git describe --always --dirty` of this checkout (recorded in every new run)."""
+    """The checkout's commit (`git rev-parse`), with `+dirty` when `s3req/` has uncommitted
+    changes: the engine a new run was trained with, recorded in its JSON line."""
     import subprocess
 
+    def git(*args):
+        return subprocess.run(
+            ["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True
+        ).stdout.strip()
+
     try:
-        out = subprocess.run(
-            ["git", "-C", str(ROOT), "describe", "--always", "--dirty", "--abbrev=12"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+        head = git("rev-parse", "--short=12", "HEAD")
+        dirty = git("status", "--porcelain", "--", "s3req")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return out.stdout.strip()
+    return head + ("+dirty" if dirty else "")
 
 
 def run_all(
