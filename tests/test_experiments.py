@@ -98,6 +98,50 @@ def test_table1_welch():
     assert math.isnan(t1.welch([1.0], [2.0, 3.0])[0])
 
 
+def test_table1_engines_section():
+    """The runs' engines: a recorded commit wins, older runs take `UNRECORDED_ENGINE`; a rerun
+    is compared with its stored run (bitwise, and the first logged step that differs); the
+    page names every seed's engine and the largest drift."""
+    t1 = _load("table1_quality")
+
+    def rec(config, seed, curve, **extra):
+        return {
+            "config": config,
+            "lr": 3e-3,
+            "seed": seed,
+            "final_val_loss": curve[-1][1],
+            "val_curve": curve,
+            "train_curve": curve,
+            **extra,
+        }
+
+    stored = {
+        t1.run_key(c, 3e-3, 0): rec(c, 0, [[0, 5.0], [10, 4.0], [20, 3.0]])
+        for c in ("bf16", "s3r-ec-2way")
+    }
+    assert t1.engine_of(stored[t1.run_key("bf16", 3e-3, 0)]) == t1.UNRECORDED_ENGINE[0]
+    assert t1.engine_of(rec("bf16", 9, [[0, 1.0]], commit="abc")) == "abc"
+    assert t1.engine_of(rec("bf16", 99, [[0, 1.0]])) == "not recorded"
+    reruns = {
+        t1.run_key("bf16", 3e-3, 0): rec("bf16", 0, [[0, 5.0], [10, 4.0], [20, 3.0]], commit="n"),
+        t1.run_key("s3r-ec-2way", 3e-3, 0): rec(
+            "s3r-ec-2way", 0, [[0, 5.0], [10, 4.1], [20, 3.25]], commit="n"
+        ),
+    }
+    got = {c["config"]: c for c in t1.compare_rechecks(stored, reruns)}
+    assert got["bf16"]["identical"] and got["bf16"]["first_train_step_differing"] is None
+    ec = got["s3r-ec-2way"]
+    assert not ec["identical"] and ec["first_train_step_differing"] == 10
+    assert math.isclose(ec["rerun"] - ec["stored"], 0.25)
+    text = "\n".join(
+        t1.engines_markdown(
+            {"engines": {"0": ["05a59a9"], "4": ["n"]}, "rechecks": list(got.values())}
+        )
+    )
+    assert "| 4 | `n` |" in text and "moved its final loss by 0.2500" in text
+    assert "the reruns of BF16 above reproduce" in text
+
+
 def test_table2_smoke(tmp_path):
     t2 = _load("table2_gradient_error")
     summary = t2.main(["--smoke", "--rows", "rtne,s3r-ec-2way", "--out", str(tmp_path)])
