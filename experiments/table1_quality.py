@@ -27,6 +27,12 @@ and start the same command again). Scales:
     python experiments/table1_quality.py --scale quick --seeds 5   # the published page
     python experiments/table1_quality.py --scale cpu            # the full CPU table (6 seeds)
     python experiments/table1_quality.py --scale smoke --out /tmp/t1   # smoke test
+    python experiments/table1_quality.py --scale cpu --recheck bf16:0,s3r-ec-2way:0,rtne:4
+
+`--recheck` reruns stored runs on this checkout into `table1_<scale>_recheck.jsonl` (skipping
+those already there), and the page compares them with the stored runs; with
+`experiments/table1_engines.py` it shows whether runs of different engine commits can share
+a table.
 
 Writes `table1_<scale>.md`, `table1_<scale>.json` and `table1_<scale>.png` (validation-loss
 curves, mean over seeds with the min-max band) into `--out` (default `docs/results/`).
@@ -748,8 +754,10 @@ def engines_markdown(summary: dict) -> list[str]:
     if rechecks:
         lines += [
             "",
-            "Reruns of stored runs on a later engine (`table1_cpu_recheck.jsonl`; same seed, "
-            "rate, corpus and data order):",
+            "Reruns of stored runs on a later engine (`table1_cpu_recheck.jsonl`, from "
+            "`--recheck "
+            + ",".join(f"{r['config']}:{r['seed']}" for r in rechecks)
+            + "`; same seed, rate, corpus and data order):",
             "",
             "| configuration | seed | stored (engine) | rerun (engine) | rerun - stored "
             "| curves bitwise equal | first logged step that differs |",
@@ -893,12 +901,23 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="run seeds 0..N-1 instead of the scale's own (finished runs are reused)",
     )
+    ap.add_argument(
+        "--recheck",
+        default="",
+        help="comma-separated config:seed stored runs to rerun on this checkout into "
+        "table1_<scale>_recheck.jsonl before the table (e.g. bf16:0,s3r-ec-2way:0)",
+    )
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
     args = ap.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         ap.error(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
+    pairs = [item.rsplit(":", 1) for item in args.recheck.split(",") if item]
+    if any(len(p) != 2 or p[0] not in CONFIGS or not p[1].isdigit() for p in pairs):
+        ap.error(f"--recheck takes config:seed items, got {args.recheck!r}")
+    if pairs:
+        recheck(args.scale, [(c, int(seed)) for c, seed in pairs], pathlib.Path(args.out))
     summary = run_all(args.scale, configs, pathlib.Path(args.out), args.seeds)
     print(markdown(summary))
     return summary
