@@ -18,6 +18,8 @@ EXPERIMENTS = pathlib.Path(__file__).resolve().parent.parent / "experiments"
 def _load(name: str):
     if name in sys.modules:
         return sys.modules[name]
+    if str(EXPERIMENTS) not in sys.path:  # the scripts import each other, as when run
+        sys.path.append(str(EXPERIMENTS))
     spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
