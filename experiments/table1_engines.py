@@ -93,14 +93,9 @@ def main(argv: list[str] | None = None) -> dict:
         probe(args.probe)
         return {}
 
-    def git(*a):
-        return subprocess.run(
-            ["git", "-C", str(ROOT), *a], capture_output=True, text=True, check=True
-        ).stdout.strip()
+    from table1_quality import engine_commit
 
-    head = git("rev-parse", "--short=12", "HEAD")
-    dirty = bool(git("status", "--porcelain", "--", "s3req", "policies"))
-    result = {"checkout": head + ("+dirty" if dirty else ""), "presets": list(PRESETS)}
+    result = {"checkout": engine_commit(), "presets": list(PRESETS)}
     with tempfile.TemporaryDirectory() as tmp:
         mine = run_probe(ROOT, pathlib.Path(tmp) / "checkout.npz")
         result["engines"] = {}

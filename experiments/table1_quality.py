@@ -225,9 +225,14 @@ def raw_plays():
     return load_data(plays)
 
 
+ENGINE_PATHS = ("s3req", "policies", "models")
+"""The folders whose code trains a run: the engine, the policies and the model."""
+
+
 def engine_commit() -> str:
-    """The checkout's commit (`git rev-parse`), with `+dirty` when `s3req/` has uncommitted
-    changes: the engine a new run was trained with, recorded in its JSON line."""
+    """The last commit that changed `ENGINE_PATHS` in this checkout (it survives rebases of
+    later work), with `+dirty` when they hold uncommitted changes: the engine a new run was
+    trained with, recorded in its JSON line."""
     import subprocess
 
     def git(*args):
@@ -236,8 +241,8 @@ def engine_commit() -> str:
         ).stdout.strip()
 
     try:
-        head = git("rev-parse", "--short=12", "HEAD")
-        dirty = git("status", "--porcelain", "--", "s3req")
+        head = git("log", "-1", "--format=%h", "--abbrev=12", "HEAD", "--", *ENGINE_PATHS)
+        dirty = git("status", "--porcelain", "--", *ENGINE_PATHS)
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
