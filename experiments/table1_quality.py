@@ -423,9 +423,16 @@ def summarize(scale_name: str, configs: list[str], runs: dict, seeds: int | None
         "rows": rows,
         "claims": claims(rows),
         "engines": {
-            str(seed): sorted(
-                {engine_of(runs[run_key(c, rows[c]["best_lr"], seed)]) for c in configs}
-            )
+            str(seed): {
+                e: [
+                    c
+                    for c in configs
+                    if engine_of(runs[run_key(c, rows[c]["best_lr"], seed)]) == e
+                ]
+                for e in sorted(
+                    {engine_of(runs[run_key(c, rows[c]["best_lr"], seed)]) for c in configs}
+                )
+            }
             for seed in scale.seeds
         },
         "unused_runs": sorted(
@@ -754,7 +761,12 @@ def engines_markdown(summary: dict) -> list[str]:
         "| seed | engine(s) |",
         "| ---: | --- |",
     ]
-    lines += [f"| {seed} | {', '.join(f'`{e}`' for e in es)} |" for seed, es in engines.items()]
+    for seed, es in engines.items():
+        cells = [
+            f"`{e}`" if len(es) == 1 else f"`{e}` ({', '.join(CONFIGS[c] for c in cs)})"
+            for e, cs in es.items()
+        ]
+        lines.append(f"| {seed} | {'; '.join(cells)} |")
     rechecks = summary.get("rechecks") or []
     if rechecks:
         lines += [

@@ -137,10 +137,14 @@ def test_table1_engines_section():
     assert math.isclose(ec["rerun"] - ec["stored"], 0.25)
     text = "\n".join(
         t1.engines_markdown(
-            {"engines": {"0": ["05a59a9"], "4": ["n"]}, "rechecks": list(got.values())}
+            {
+                "engines": {"0": {"05a59a9": ["bf16"]}, "4": {"n": ["sr"], "m": ["bf16"]}},
+                "rechecks": list(got.values()),
+            }
         )
     )
-    assert "| 4 | `n` |" in text and "moved its final loss by 0.2500" in text
+    assert "| 0 | `05a59a9` |" in text and "| 4 | `n` (Independent SR); `m` (BF16) |" in text
+    assert "moved its final loss by 0.2500" in text
     assert "the reruns of BF16 above reproduce" in text
 
 
