@@ -407,15 +407,19 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+ENGINE_PATHS = ("s3req", "policies", "models")
+
+
 def _commit() -> str:
-    """The checked-out commit of this repository (with `+changes` if the tree is dirty)."""
+    """The engine a run measures: the last commit that changed `s3req/`, `policies/` or
+    `models/` (it survives rebases of later commits), with `+changes` if those are modified
+    in the working tree."""
     try:
         run = lambda *a: subprocess.run(
             ["git", "-C", str(ROOT), *a], capture_output=True, text=True, check=True
         ).stdout.strip()
-        return run("rev-parse", "--short", "HEAD") + (
-            "+changes" if run("status", "--porcelain", "--untracked-files=no") else ""
-        )
+        dirty = run("status", "--porcelain", "--untracked-files=no", "--", *ENGINE_PATHS)
+        return run("log", "-1", "--format=%h", "--", *ENGINE_PATHS) + ("+changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
