@@ -28,7 +28,16 @@ from jaxtyping import Array, Float, Int, Int8, PRNGKeyArray, Shaped
 from . import _kernels
 from ._interfaces import AbstractErrorTerms, AbstractPolicy
 from ._kernels import check_sum_terms
-from ._quantize import absmax_scale, finite_absmax, QMAX, round_to_int8
+from ._quantize import (
+    finite_absmax,
+    normalizing_shift,
+    pow2,
+    QMAX,
+    round_to_int8,
+    SCALE_EXPONENT,
+    shifted_scale,
+    unshift,
+)
 from ._sharding import ShardAxes
 from ._thresholds import Layout, Rows
 
@@ -159,8 +168,9 @@ class AbstractLayer(eqx.Module):
         return reference
 
     @abc.abstractmethod
-    def weight_scales(self, w: Array) -> Array:
-        """Per-output-channel scales of `w` (keeping the contracted axis, size 1)."""
+    def weight_absmax(self, w: Array) -> Array:
+        """Per-output-channel `max|w|` (keeping the contracted axis, size 1; see
+        `finite_absmax`)."""
 
     @abc.abstractmethod
     def gemm(self, xq: Array, wq: Array) -> Array:
@@ -238,8 +248,8 @@ class Dense(AbstractLayer):
     def per_backend(self, reference, cpu):
         return _per_backend(lambda r, c: r, lambda r, c: c, reference, cpu)
 
-    def weight_scales(self, w):
-        return absmax_scale(w, axis=self._h_axis)
+    def weight_absmax(self, w):
+        return finite_absmax(w, axis=self._h_axis, keepdims=True)
 
     def gemm(self, xq, wq):
         return _dot(xq, wq, ((2,), (self._h_axis,)))
@@ -348,8 +358,8 @@ class Ragged(AbstractLayer):
     def _segments(self) -> int:
         return self.num_examples * self._experts
 
-    def weight_scales(self, w):
-        return absmax_scale(w, axis=1)
+    def weight_absmax(self, w):
+        return finite_absmax(w, axis=1, keepdims=True)
 
     def gemm(self, xq, wq):
         return _ragged(xq, wq, self.group_sizes, ((1,), (1,)), True)
@@ -516,19 +526,59 @@ def _checked(v: Array, axes: ShardAxes, roles: tuple, msg: str) -> Array:
     return guard(v, jnp.any(~jnp.isfinite(v)), axes, roles, msg)
 
 
+def _operand_shift(amax: Array, axes: ShardAxes, roles: tuple) -> Array:
+    """The power of two that puts an operand's largest scale in `[2**20, 2**21)`: from the
+    largest `max|.|` over all shards of `roles`, an all-zero slice counting as `QMAX` (its
+    scale is 1)."""
+    largest = jnp.max(jnp.where(amax == 0, float(QMAX), amax), initial=0.0)
+    return normalizing_shift(axes.pmax(largest, *roles), SCALE_EXPONENT)
+
+
+def _representable(s: Array, axes: ShardAxes, roles: tuple, msg: str) -> Array:
+    """`s`, raising at run time if a scale (on any shard of `roles`) is below the smallest
+    normal float32: that slice is too small next to the operand's largest one."""
+    return guard(s, jnp.any(s < jnp.finfo(_F32).tiny), axes, roles, msg)
+
+
+def _range_message(name: str, operand: str, what: str) -> str:
+    return (
+        f"{name}: the {what} of {operand} span more than float32 can hold in one scale vector: "
+        f"one {what[:-1]} has max|{operand}| more than 2**146 times smaller than the largest "
+        f"(an all-zero one counts as 127). Rescale {operand} or zero the tiny {what}."
+    )
+
+
 def forward(layer: AbstractLayer, x: Array, w: Array):
     """Per-row scales of `x`, per-output-channel scales of `w` (global maxima over `d_in`),
     round to nearest even, the int8 GEMM with int32 sums, rescale. Returns `y` and the
-    residuals `(Xq, Wq, s_x, s_w)`."""
+    residuals `(Xq, Wq, s_x 2**a, s_w 2**b, (a, b))`.
+
+    The scales are kept multiplied by one power of two per operand (`2**a`, `2**b`: the
+    largest scale in `[2**20, 2**21)`), and the result divided by `2**(a+b)` at the end.
+    Multiplying by powers of two is exact, so this changes no bit wherever the plain scales
+    and products are normal floats, and keeps them representable for tiny or huge operands.
+    """
     ax = layer.axes
-    sx = ax.pmax(absmax_scale(x, axis=-1), "d_in")
-    sw = ax.pmax(layer.weight_scales(w), "d_in")
-    sx = _checked(sx, ax, ("batch", "seq", "d_in"), f"{layer.name}: x contains NaN or Inf.")
-    sw = _checked(sw, ax, ("d_in", "d_out"), f"{layer.name}: w contains NaN or Inf.")
-    xq, wq = round_to_int8(x, sx), round_to_int8(w, sw)
+    rows, channels = ("batch", "seq", "d_in"), ("d_in", "d_out")
+    ax_x = ax.pmax(finite_absmax(x, axis=-1, keepdims=True), "d_in")
+    ax_w = ax.pmax(layer.weight_absmax(w), "d_in")
+    a = _operand_shift(ax_x, ax, ("batch", "seq"))
+    b = _operand_shift(ax_w, ax, ("d_out",))
+    sx = _checked(shifted_scale(ax_x, a), ax, rows, f"{layer.name}: x contains NaN or Inf.")
+    sw = _checked(shifted_scale(ax_w, b), ax, channels, f"{layer.name}: w contains NaN or Inf.")
+    sx = _representable(sx, ax, rows, _range_message(layer.name, "x", "tokens"))
+    sw = _representable(sw, ax, channels, _range_message(layer.name, "w", "output channels"))
+    xq = round_to_int8(x.astype(_F32) * pow2(a), sx)
+    wq = round_to_int8(w.astype(_F32) * pow2(b), sw)
     acc = ax.psum(layer.gemm(xq, wq), "d_in")  # exact int32 sums
-    y = acc.astype(_F32) * sx * layer.row_scales(sw)
-    return y.astype(x.dtype), (xq, wq, sx, sw)
+    y = unshift(acc.astype(_F32) * sx * layer.row_scales(sw), a + b)
+    return y.astype(x.dtype), (xq, wq, sx, sw, (a, b))
+
+
+MIN_STEP = 2.0**-118
+"""The smallest per-tensor gradient step `backward` accepts: float32 flushes values of `G'`
+below `2**-126`, less than `2**-8` of a step, which round to code 0 under round-to-nearest
+and under 7-bit thresholds whether or not they are flushed."""
 
 
 def gradient_max(gp: Array, axes: ShardAxes, name: str) -> Array:
@@ -586,14 +636,27 @@ def _first_order_only_jvp(name, primals, tangents):
     )
 
 
+_G_ROLES = ("batch", "seq", "d_out")
+
+
 def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g):
     """dX and dW (float32) of the quantized matmul for the upstream gradient `g`."""
-    xq, wq, sx, sw = residuals
+    xq, wq, sx, sw, (a, b) = residuals
     g, sx, sw = first_order_only(layer.name, (g, sx, sw))
     ax = layer.axes
+    # G times a power of two `2**c` too (its largest |value| in [1, 2)): every product below
+    # is then a normal float, G' is the plain one times 2**(a+b+c) exactly.
+    c = normalizing_shift(ax.pmax(jnp.max(jnp.abs(g), initial=0).astype(_F32), *_G_ROLES))
     # Fold both scales into the gradient (float32 even for bf16 G), one per-tensor step.
-    gp = layer.fold(g, sx, sw)
+    gp = layer.fold(g.astype(_F32) * pow2(c), sx, sw)
     amax = gradient_max(gp, ax, layer.name)
+    amax = eqx.error_if(
+        amax,
+        (amax > 0) & (amax < QMAX * MIN_STEP),
+        f"{layer.name}: the gradient step max|s_x G s_w| / 127 is below float32's range: the "
+        "upstream gradient is nonzero only on tokens or channels whose scales are more than "
+        "2**150 times smaller than the largest ones. Rescale x or w.",
+    )
     codes_dx, codes_dw = quantize(policy, gp, amax, key, layout=layer.layout(gp))
     # The two GEMMs: one set of codes feeds both unless the topology quantizes twice.
     dx = codes_dx[1] * ax.psum(layer.gemm_dx(codes_dx[0], wq), "d_out")
@@ -601,7 +664,7 @@ def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g):
     # S3R-EC: the correction subtracts parts of the structured error's image.
     terms = _ErrorTerms(layer, gp, codes_dx, codes_dw, xq, wq)
     dx, dw = policy.correction.correct(terms, dx, dw)
-    return dx / sx, layer.weight_gradient(dw, sw)
+    return unshift(dx / sx, b + c), unshift(layer.weight_gradient(dw, sw), a + c)
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
 from ._float_sr import float_format, sr_float
-from ._quantize import gradient_step, sr_codes
+from ._quantize import ceil_pow2, gradient_step, sr_codes
 from ._thresholds import Thresholds
 
 
@@ -138,8 +138,8 @@ class BlockFloatGrad(AbstractGradFormat):
         """Block scales from block maxima (zero blocks get scale 1)."""
         top = float_format(jnp.dtype(self.dtype)).max_finite
         s = amax / top
-        if self.pow2:
-            s = jnp.exp2(jnp.ceil(jnp.log2(jnp.where(s > 0, s, 1.0))))
+        if self.pow2:  # the smallest power of two >= s, exact (XLA's exp2 is not)
+            s = ceil_pow2(jnp.where(s > 0, s, 1.0))
         return jnp.where(amax > 0, s, jnp.ones_like(s))
 
     def round(self, y, thresholds):

@@ -5,6 +5,7 @@ indices `t` handed to [`s3req.sr_codes`][], and a correction only changes which 
 the known rounding error are subtracted after the GEMMs.
 """
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Int8
 
@@ -40,6 +41,53 @@ def absmax_scale(x: Float[Array, "..."], axis: int) -> Float[Array, "..."]:
     """
     amax = finite_absmax(x, axis=axis, keepdims=True)
     return jnp.where(amax == 0, jnp.ones_like(amax), amax / QMAX)
+
+
+SCALE_EXPONENT = 27
+"""`normalizing_shift` puts the largest `max|x|` of an operand in `[2**27, 2**28)`, so its
+largest scale lies in `[2**20, 2**21)`: far from both ends of the float32 range, with room for
+the int32 sums of the GEMMs (below `2**31`) on one side and tokens or channels up to `2**146`
+times smaller on the other."""
+
+
+def pow2(e: Int[Array, "..."]) -> Float[Array, "..."]:
+    """`2.0 ** e` in float32, exact, for integers `e` in `[-126, 127]` (the normal range),
+    built from its exponent bits."""
+    return jax.lax.bitcast_convert_type((e.astype(jnp.int32) + 127) << 23, jnp.float32)
+
+
+def ceil_pow2(s: Float[Array, "..."]) -> Float[Array, "..."]:
+    """The smallest power of two `>= s` for normal positive float32 `s` below `2**127`,
+    exact (from the exponent and mantissa bits)."""
+    bits = jax.lax.bitcast_convert_type(s.astype(jnp.float32), jnp.int32)
+    exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
+    return pow2(jnp.clip(exponent, -126, 127))
+
+
+def normalizing_shift(amax: Float[Array, ""], target: int = 0) -> Int[Array, ""]:
+    """The power of two `a` that puts `amax * 2**a` in `[2**target, 2**(target+1))` (for a
+    normal float32 `amax`), clipped to `[-126, 126]` so that `2**a` and `2**-a` are normal
+    floats. Read from the exponent bits of `amax`: a zero or subnormal `amax` counts as
+    `2**-127` (the clip then applies), Inf and NaN as `2**128`."""
+    bits = jax.lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.int32)
+    exponent = ((bits >> 23) & 0xFF) - 127  # floor(log2 amax) for a normal amax
+    return jnp.clip(target - exponent, -126, 126)
+
+
+def unshift(v: Float[Array, "..."], shift: Int[Array, ""]) -> Float[Array, "..."]:
+    """`v * 2**-shift` for a `shift` in `[-252, 252]`, as two multiplies by normal powers of
+    two (exact wherever the result is a normal float: the intermediate lies between `v` and
+    the result)."""
+    half = shift >> 1
+    return v * pow2(-half) * pow2(half - shift)
+
+
+def shifted_scale(amax: Float[Array, "..."], shift: Int[Array, ""]) -> Float[Array, "..."]:
+    """`absmax_scale` times `2**shift` from the maxima `amax`: `(amax * 2**shift) / 127`, and
+    `2**shift` (scale 1) for a zero slice. Bitwise `absmax_scale(x) * 2**shift` wherever
+    that scale is a normal float; also representable where it is not (tiny or huge `x`)."""
+    p = pow2(shift)
+    return jnp.where(amax == 0, p, (amax * p) / QMAX)
 
 
 def round_to_int8(x: Float[Array, "..."], scale: Float[Array, "..."]) -> Int8[Array, "..."]:

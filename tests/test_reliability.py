@@ -13,7 +13,7 @@ import jaxtyping
 import numpy as np
 import pytest
 
-from policies import Nearest, NoEC, Policy
+from policies import Nearest, NoEC, Policy, PRESETS
 from s3req import FP8_E5M2, INT4, MXFP4, qdot, qragged_dot, QuantLinear
 
 from .helpers import ALL_CORRECTIONS, ALL_TOPOLOGIES, policy_id
@@ -237,3 +237,162 @@ def test_nan_bias_raises_and_plain_jit_message(getkey):
         jax.block_until_ready(
             jax.jit(lambda m, x: m(x, key=key))(layer, x.at[0, 0, 0].set(jnp.nan))
         )
+
+
+# --- tiny and huge magnitudes ----------------------------------------------------------------
+
+# Every preset (topology x correction); one of them runs by default, the others with -m slow.
+_FAST_PRESETS = ("s3r-ec-2way",)
+PRESET_PARAMS = [
+    pytest.param(p, id=n, marks=() if n in _FAST_PRESETS else pytest.mark.slow)
+    for n, p in PRESETS.items()
+    if p is not None
+]
+
+# (k_x, k_w, k_g): x, w and G multiplied by 2**k. Every input element stays a normal float
+# (the smallest |element| of a Gaussian sample of this size is about 2**-20 of the largest).
+SCALINGS = [(0, 0, -100), (0, 0, 100), (-100, 0, 0), (0, -100, 0), (100, -60, 0), (-60, 100, -100)]
+
+
+def _ragged_vjp(policy, gs, row_id, example_id, n_ex):
+    @eqx.filter_jit
+    def run(x, w, g, key):
+        f = lambda x, w: qragged_dot(
+            x,
+            w,
+            gs,
+            policy=policy,
+            key=key,
+            row_id=row_id,
+            example_id=example_id,
+            num_examples=n_ex,
+        )
+        y, pull = jax.vjp(f, x, w)
+        return (y, *pull(g))
+
+    return run
+
+
+def _both_layers(policy, key, shape=(B, S, H, D)):
+    """`{name: (make, x, w, g)}` of `qdot` and of `qragged_dot` at a realistic size; `make()`
+    traces a fresh compiled `(y, dx, dw)` program."""
+    b, s, h, d = shape
+    kx, kw, kg, kr = jr.split(key, 4)
+    dense = (
+        lambda: _qdot_vjp(policy),
+        jr.normal(kx, (b, s, h)),
+        jr.normal(kw, (h, d)) / np.sqrt(h),
+        jr.normal(kg, (b, s, d)),
+    )
+    xr, wr, gs, gr, row_id, example_id, n_ex = _ragged(kr)
+    ragged = (lambda: _ragged_vjp(policy, gs, row_id, example_id, n_ex), xr, wr, gr)
+    return {"qdot": dense, "qragged_dot": ragged}
+
+
+def _assert_scaled(got, want, k):
+    """`got == want * 2**k` bitwise where that is a normal float (with a margin of 2**8);
+    elsewhere both are below `2**-118` in magnitude."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64) * 2.0**k
+    normal = np.abs(want) >= 2.0**-118
+    np.testing.assert_array_equal(got[normal], want[normal])
+    assert np.all(np.abs(got[~normal]) < 2.0**-117)
+
+
+@pytest.mark.parametrize("policy", PRESET_PARAMS)
+def test_power_of_two_scaling_is_exact(policy, getkey):
+    """Scaling x, w or G by a power of two scales y, dX and dW by the same powers of two,
+    bitwise, from G ~ 1e-30 or 1e30 to operands of 2**-100 or 2**100: the scales are kept
+    normalized by exact powers of two. (Before: G * 2**-100 gave dX = dW = 0, tiny x or w gave
+    NaN.) An all-zero gradient gives zero gradients."""
+    key = getkey()
+    for name, (make, x, w, g) in _both_layers(policy, getkey()).items():
+        run = make()
+        y0, dx0, dw0 = run(x, w, g, key)
+        for kx, kw, kg in SCALINGS:
+            y, dx, dw = run(x * 2.0**kx, w * 2.0**kw, g * 2.0**kg, key)
+            for got, want, k in ((y, y0, kx + kw), (dx, dx0, kw + kg), (dw, dw0, kx + kg)):
+                _assert_scaled(got, want, k)
+        _, dx, dw = run(x, w, jnp.zeros_like(g), key)
+        assert np.all(np.asarray(dx) == 0) and np.all(np.asarray(dw) == 0), name
+
+
+@pytest.mark.parametrize("policy", PRESET_PARAMS)
+def test_normalization_changes_no_bit_in_normal_ranges(policy, getkey, monkeypatch):
+    """With the power-of-two normalization switched off (every shift 0: the plain scales of
+    DESIGN.md section 3), y, dX and dW of a normal-range problem are bitwise the same: the
+    normalization only changes results where plain scales or products leave float32's normal
+    range."""
+    import s3req._backward as backward
+
+    key = getkey()
+    layers = _both_layers(policy, getkey())
+    outputs = {name: make()(x, w, g, key) for name, (make, x, w, g) in layers.items()}
+    monkeypatch.setattr(backward, "normalizing_shift", lambda *_: jnp.zeros((), jnp.int32))
+    for name, (make, x, w, g) in layers.items():
+        for a, b in zip(outputs[name], make()(x, w, g, key)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+def _rel(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@pytest.mark.parametrize("policy", PRESET_PARAMS)
+def test_tiny_and_huge_operands_match_float(policy, getkey):
+    """The cases of issue 14 at (2, 64, 128) @ (128, 384): G * 1e-33, one output channel of w
+    with max|w| = 1e-37 and one token of x with max|x| = 1e-36 (plain scales below the
+    smallest normal float32, 1.2e-38), one element of x of 3e38. The outputs that the
+    per-tensor gradient step can resolve are as close to the float ones as on the unscaled
+    problem (at most 1.5 times its relative error); before, they were NaN, Inf or 0."""
+    run = _qdot_vjp(policy)
+    x, w, g = _dense(getkey())
+    key = getkey()
+
+    def float_vjp(x, w, g):
+        x, w, g = (np.asarray(a, np.float64) for a in (x, w, g))
+        return x @ w, g @ w.T, np.einsum("bsh,bsd->hd", x, g)
+
+    clean = [_rel(a, b) for a, b in zip(run(x, w, g, key), float_vjp(x, w, g))]
+    # G * 1e-33: dX and dW
+    y, dx, dw = run(x, w, g * 1e-33, key)
+    _, fdx, fdw = float_vjp(x, w, g * 1e-33)
+    assert _rel(dx, fdx) <= 1.5 * clean[1] and _rel(dw, fdw) <= 1.5 * clean[2]
+    # a tiny output channel: y (all channels, and that one) and dX
+    wt = w.at[:, 5].set(w[:, 5] / jnp.max(jnp.abs(w[:, 5])) * 1e-37)
+    y, dx, _ = run(x, wt, g, key)
+    fy, fdx, _ = float_vjp(x, wt, g)
+    assert _rel(y[..., 5], fy[..., 5]) <= 1.5 * clean[0] and _rel(dx, fdx) <= 1.5 * clean[1]
+    # a tiny token: y (that token) and dW
+    xt = x.at[0, 3].set(x[0, 3] / jnp.max(jnp.abs(x[0, 3])) * 1e-36)
+    y, _, dw = run(xt, w, g, key)
+    fy, _, fdw = float_vjp(xt, w, g)
+    assert _rel(y[0, 3], fy[0, 3]) <= 1.5 * clean[0] and _rel(dw, fdw) <= 1.5 * clean[2]
+    # one huge element: the forward (before, acc * s_x overflowed before the * s_w)
+    y, _, _ = run(x.at[0, 3, 5].set(3e38), w, g, key)
+    assert np.all(np.isfinite(np.asarray(y)))
+    assert _rel(y, float_vjp(x.at[0, 3, 5].set(3e38), w, g)[0]) <= 1.5 * clean[0]
+
+
+def test_unrepresentable_scales_raise(getkey):
+    """Scales float32 cannot hold next to each other raise a clear error: a token (or an
+    output channel) more than 2**146 below the largest, and a gradient that is nonzero only
+    where the scales are so small that its step would be below 2**-118."""
+    run = _qdot_vjp(EVERY_POLICY[-1])
+    x, w, g = _dense(getkey())
+    key = getkey()
+    with pytest.raises(RuntimeError, match="the tokens of x span more than float32"):
+        jax.block_until_ready(
+            run(x.at[0, 1].multiply(2.0**100).at[1, 2].multiply(2.0**-60), w, g, key)
+        )
+    with pytest.raises(RuntimeError, match="the output channels of w span more than float32"):
+        jax.block_until_ready(
+            run(x, w.at[:, 1].multiply(2.0**100).at[:, 2].multiply(2.0**-60), g, key)
+        )
+    # tokens and channels within range, but G lives only on a tiny token x a tiny channel
+    xt, wt = x.at[1, 2].multiply(2.0**-100), w.at[:, 7].multiply(2.0**-60)
+    gt = jnp.zeros_like(g).at[1, 2, 7].set(1.0)
+    with pytest.raises(RuntimeError, match="gradient step max|s_x G s_w| / 127 is below"):
+        jax.block_until_ready(run(xt, wt, gt, key))
+    for out in run(xt, wt, g, key):  # the same operands with an ordinary gradient work
+        assert np.all(np.isfinite(np.asarray(out)))
