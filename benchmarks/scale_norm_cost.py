@@ -16,18 +16,10 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+from nan_check_cost import _program  # the same compiled fwd+bwd program
 
 import s3req._backward as _backward
 from policies import preset
-from s3req import qdot
-
-
-def _program(policy, args):
-    def f(x, w, g, key):
-        y, pull = jax.vjp(lambda x, w: qdot(x, w, policy=policy, key=key), x, w)
-        return y, pull(g)
-
-    return jax.jit(f).lower(*args).compile()
 
 
 def main():

@@ -98,10 +98,7 @@ def _ragged(key, n_examples=2, seq=64, top_k=2, E=4):
     return x, w, gs, g, order, (order // top_k) // seq, n_examples
 
 
-@pytest.mark.parametrize("policy", EVERY_POLICY, ids=policy_id)
-def test_qragged_dot_one_nan_anywhere_raises(policy, getkey):
-    x, w, gs, g, row_id, example_id, n_ex = _ragged(getkey())
-
+def _ragged_vjp(policy, gs, row_id, example_id, n_ex):
     @eqx.filter_jit
     def run(x, w, g, key):
         f = lambda x, w: qragged_dot(
@@ -117,6 +114,13 @@ def test_qragged_dot_one_nan_anywhere_raises(policy, getkey):
         y, pull = jax.vjp(f, x, w)
         return (y, *pull(g))
 
+    return run
+
+
+@pytest.mark.parametrize("policy", EVERY_POLICY, ids=policy_id)
+def test_qragged_dot_one_nan_anywhere_raises(policy, getkey):
+    x, w, gs, g, row_id, example_id, n_ex = _ragged(getkey())
+    run = _ragged_vjp(policy, gs, row_id, example_id, n_ex)
     key = getkey()
     for y in run(x, w, g, key):
         assert np.all(np.isfinite(np.asarray(y)))
@@ -252,25 +256,6 @@ PRESET_PARAMS = [
 # (k_x, k_w, k_g): x, w and G multiplied by 2**k. Every input element stays a normal float
 # (the smallest |element| of a Gaussian sample of this size is about 2**-20 of the largest).
 SCALINGS = [(0, 0, -100), (0, 0, 100), (-100, 0, 0), (0, -100, 0), (100, -60, 0), (-60, 100, -100)]
-
-
-def _ragged_vjp(policy, gs, row_id, example_id, n_ex):
-    @eqx.filter_jit
-    def run(x, w, g, key):
-        f = lambda x, w: qragged_dot(
-            x,
-            w,
-            gs,
-            policy=policy,
-            key=key,
-            row_id=row_id,
-            example_id=example_id,
-            num_examples=n_ex,
-        )
-        y, pull = jax.vjp(f, x, w)
-        return (y, *pull(g))
-
-    return run
 
 
 def _both_layers(policy, key, shape=(B, S, H, D)):
