@@ -439,6 +439,11 @@ def _engines(rows: dict[str, dict]) -> str:
             )
             + ")"
         )
+    if len(engines) > 1:
+        text += (
+            f"; {len(engines)} different engines, so a difference between two rows of "
+            "different engines measures the engine change as well as the policy"
+        )
     return text
 
 

@@ -308,6 +308,11 @@ def tpu(d: pathlib.Path) -> list[str]:
     ]
     tot = lambda P, p: P[p]["memory"]["total"]
     diff = lambda a, b: [(tot(P, a) - tot(P, b)) / 1e9 for P in dense if a in P and b in P]
+    commits = lambda Ps: ", ".join(sorted({r.get("commit", "?") for P in Ps for r in P.values()}))
+    out[2] += f" Engine commits: FFN rows {commits(rows) or 'none'}; full-step rows " + (
+        commits([m["policies"] for m in (t4 or {}).get("models", {}).values()]) or "none"
+    )
+    out[2] += " (each page names the commit of every row)."
     out += [
         f"| full step, dense: S3R - RTNE (GB) | 0 | {span(diff('s3r', 'rtne'), '+.3f')} |",
         "| full step, dense: S3R-EC two-way - S3R (GB) | at most +0.4 "
