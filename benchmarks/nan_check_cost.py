@@ -8,6 +8,7 @@ first and then timed round-robin in one process; prints the medians and their ra
 """
 
 import argparse
+import contextlib
 import time
 
 import jax
@@ -33,8 +34,11 @@ def _program(policy, args):
     return jax.jit(f).lower(*args).compile()
 
 
-def main():
-    parser = argparse.ArgumentParser(description="Cost of the NaN/Inf check of qdot.")
+def compare(description: str, labels: tuple[str, str], patched) -> None:
+    """Time the `qdot` forward+backward as the engine runs it (`labels[0]`) against the same
+    program compiled inside the context manager `patched()` (`labels[1]`), round-robin in one
+    process, for every policy of the command line; print the medians and their ratio."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--shape", default="4x256x1024x4096")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--policies", default="rtne,s3r,s3r-ec-2way")
@@ -50,29 +54,38 @@ def main():
     print(f"qdot fwd+bwd x({B},{S},{H}) bf16 @ w({H},{D}) f32, {jax.devices()[0].platform}")
     for name in args.policies.split(","):
         policy = preset(name)
-        checked = _program(policy, operands)
-        # Every module that calls the check holds its own reference to it.
-        saved = (_quantize.finite_absmax, _backward.finite_absmax)
-        _quantize.finite_absmax = _backward.finite_absmax = _plain_absmax
-        try:
-            unchecked = _program(policy, operands)
-        finally:
-            _quantize.finite_absmax, _backward.finite_absmax = saved
-        if checked.as_text() == unchecked.as_text():
-            raise RuntimeError(
-                "the program without the check is the same program: the patch missed"
-            )
-        times = {"checked": [], "unchecked": []}
+        programs = {labels[0]: _program(policy, operands)}
+        with patched():
+            programs[labels[1]] = _program(policy, operands)
+        if programs[labels[0]].as_text() == programs[labels[1]].as_text():
+            raise RuntimeError(f"{labels[1]}: the same program as {labels[0]}; the patch missed")
+        times = {label: [] for label in labels}
         for _ in range(args.repeats):
-            for label, prog in (("checked", checked), ("unchecked", unchecked)):
+            for label, prog in programs.items():
                 t0 = time.perf_counter()
                 jax.block_until_ready(prog(*operands))
                 times[label].append(time.perf_counter() - t0)
         med = {k: float(np.median(v)) for k, v in times.items()}
+        a, b = labels
         print(
-            f"{name:>12}: with check {1e3 * med['checked']:.1f} ms, without "
-            f"{1e3 * med['unchecked']:.1f} ms, ratio {med['checked'] / med['unchecked']:.3f}"
+            f"{name:>12}: {a} {1e3 * med[a]:.1f} ms, {b} {1e3 * med[b]:.1f} ms, "
+            f"ratio {med[a] / med[b]:.3f}"
         )
+
+
+@contextlib.contextmanager
+def _unchecked():
+    # Every module that calls the check holds its own reference to it.
+    saved = (_quantize.finite_absmax, _backward.finite_absmax)
+    _quantize.finite_absmax = _backward.finite_absmax = _plain_absmax
+    try:
+        yield
+    finally:
+        _quantize.finite_absmax, _backward.finite_absmax = saved
+
+
+def main():
+    compare("Cost of the NaN/Inf check of qdot.", ("checked", "unchecked"), _unchecked)
 
 
 if __name__ == "__main__":
