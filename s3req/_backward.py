@@ -667,6 +667,16 @@ def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g):
     return unshift(dx / sx, b + c), unshift(layer.weight_gradient(dw, sw), a + c)
 
 
+def _overflow(layer: AbstractLayer, which: str) -> str:
+    return (
+        f"{layer.name}: {which} is not finite (beyond the range of its dtype): either the "
+        "true gradient exceeds that range, or the tokens of x (the output channels of w) span "
+        "so wide a range that the error correction, which spreads the rounding error of the "
+        "large ones over all of them, overflows on the small ones. Rescale x or w, or bound "
+        "the outliers."
+    )
+
+
 @ft.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def quantized_matmul(policy: AbstractPolicy, layer: AbstractLayer, x, w, key):
     """`forward(layer, x, w)` with the quantized backward as its VJP."""
@@ -682,7 +692,11 @@ def _fwd(policy, layer, x, w, key):
 def _bwd(policy, saved, g):
     layer, residuals, key, x_like, w_like = saved
     dx, dw = backward(policy, layer, residuals, key, g)
-    return None, dx.astype(x_like.dtype), dw.astype(w_like.dtype), None
+    # A non-finite gradient raises: its inputs were checked, so it overflowed here.
+    ax = layer.axes
+    dx = _checked(dx.astype(x_like.dtype), ax, ("batch", "seq", "d_in"), _overflow(layer, "dX"))
+    dw = _checked(dw.astype(w_like.dtype), ax, ("d_in", "d_out"), _overflow(layer, "dW"))
+    return None, dx, dw, None
 
 
 quantized_matmul.defvjp(_fwd, _bwd)

@@ -13,7 +13,7 @@ import jaxtyping
 import numpy as np
 import pytest
 
-from policies import Nearest, NoEC, Policy, PRESETS
+from policies import Nearest, NoEC, Policy, PRESETS, TwoWayEC
 from s3req import FP8_E5M2, INT4, MXFP4, qdot, qragged_dot, QuantLinear
 
 from .helpers import ALL_CORRECTIONS, ALL_TOPOLOGIES, policy_id
@@ -323,13 +323,32 @@ def _rel(got, want):
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
+def _close_or_overflow(policy, outputs, wanted, bounds):
+    """`outputs()` (a tuple) within `bounds` of `wanted` in relative error; or, for a policy
+    with error correction only, the clear overflow error of the backward pass. Returns
+    whether it raised."""
+    try:
+        got = jax.block_until_ready(outputs())
+    except RuntimeError as e:
+        assert not isinstance(policy.correction, NoEC), e
+        assert "is not finite (beyond the range of its dtype)" in str(e)
+        return True
+    for a, b, bound in zip(got, wanted, bounds):
+        assert np.all(np.isfinite(np.asarray(a)))
+        assert _rel(a, b) <= bound
+    return False
+
+
 @pytest.mark.parametrize("policy", PRESET_PARAMS)
 def test_tiny_and_huge_operands_match_float(policy, getkey):
     """The cases of issue 14 at (2, 64, 128) @ (128, 384): G * 1e-33, one output channel of w
     with max|w| = 1e-37 and one token of x with max|x| = 1e-36 (plain scales below the
     smallest normal float32, 1.2e-38), one element of x of 3e38. The outputs that the
     per-tensor gradient step can resolve are as close to the float ones as on the unscaled
-    problem (at most 1.5 times its relative error); before, they were NaN, Inf or 0."""
+    problem (at most 1.5 times its relative error); before, they were NaN, Inf or 0. With
+    error correction, whose terms spread the large tokens' (channels') rounding error over
+    the small ones, the tiny channel and token may instead raise the backward's overflow
+    error, never return a non-finite gradient; `TwoWayEC` does raise on both."""
     run = _qdot_vjp(policy)
     x, w, g = _dense(getkey())
     key = getkey()
@@ -340,23 +359,42 @@ def test_tiny_and_huge_operands_match_float(policy, getkey):
 
     clean = [_rel(a, b) for a, b in zip(run(x, w, g, key), float_vjp(x, w, g))]
     # G * 1e-33: dX and dW
-    y, dx, dw = run(x, w, g * 1e-33, key)
+    _, dx, dw = run(x, w, g * 1e-33, key)
     _, fdx, fdw = float_vjp(x, w, g * 1e-33)
     assert _rel(dx, fdx) <= 1.5 * clean[1] and _rel(dw, fdw) <= 1.5 * clean[2]
     # a tiny output channel: y (all channels, and that one) and dX
     wt = w.at[:, 5].set(w[:, 5] / jnp.max(jnp.abs(w[:, 5])) * 1e-37)
-    y, dx, _ = run(x, wt, g, key)
     fy, fdx, _ = float_vjp(x, wt, g)
-    assert _rel(y[..., 5], fy[..., 5]) <= 1.5 * clean[0] and _rel(dx, fdx) <= 1.5 * clean[1]
+    raised = [
+        _close_or_overflow(
+            policy,
+            lambda: (lambda y, dx, _: (y[..., 5], dx))(*run(x, wt, g, key)),
+            (fy[..., 5], fdx),
+            (1.5 * clean[0], 1.5 * clean[1]),
+        )
+    ]
     # a tiny token: y (that token) and dW
     xt = x.at[0, 3].set(x[0, 3] / jnp.max(jnp.abs(x[0, 3])) * 1e-36)
-    y, _, dw = run(xt, w, g, key)
     fy, _, fdw = float_vjp(xt, w, g)
-    assert _rel(y[0, 3], fy[0, 3]) <= 1.5 * clean[0] and _rel(dw, fdw) <= 1.5 * clean[2]
-    # one huge element: the forward (before, acc * s_x overflowed before the * s_w)
-    y, _, _ = run(x.at[0, 3, 5].set(3e38), w, g, key)
-    assert np.all(np.isfinite(np.asarray(y)))
-    assert _rel(y, float_vjp(x.at[0, 3, 5].set(3e38), w, g)[0]) <= 1.5 * clean[0]
+    raised.append(
+        _close_or_overflow(
+            policy,
+            lambda: (lambda y, _, dw: (y[0, 3], dw))(*run(xt, w, g, key)),
+            (fy[0, 3], fdw),
+            (1.5 * clean[0], 1.5 * clean[2]),
+        )
+    )
+    # one huge element: the forward (before, acc * s_x overflowed before the * s_w) is close;
+    # its true dW exceeds float32, so the backward raises the overflow error for every policy
+    xh = x.at[0, 3, 5].set(3e38)
+    fy, _, fdw = float_vjp(xh, w, g)
+    assert np.max(np.abs(fdw)) > np.finfo(np.float32).max
+    y = qdot(xh, w, policy=policy, key=key)
+    assert np.all(np.isfinite(np.asarray(y))) and _rel(y, fy) <= 1.5 * clean[0]
+    with pytest.raises(RuntimeError, match="dW is not finite"):
+        jax.block_until_ready(run(xh, w, g, key))
+    if isinstance(policy.correction, TwoWayEC):
+        assert raised == [True, True]
 
 
 def test_unrepresentable_scales_raise(getkey):
