@@ -148,6 +148,7 @@ def test_table1_engines_section():
     assert "the reruns of BF16 above reproduce" in text
 
 
+@pytest.mark.slow
 def test_table2_smoke(tmp_path):
     t2 = _load("table2_gradient_error")
     summary = t2.main(["--smoke", "--rows", "rtne,s3r-ec-2way", "--out", str(tmp_path)])
@@ -204,6 +205,7 @@ def test_noise_from_errors():
     assert math.isclose(noise.mean(), direct, rel_tol=1e-9)
 
 
+@pytest.mark.slow
 def test_table2_width_quick(tmp_path):
     _load("table2_gradient_error")
     tw = _load("table2_width")
@@ -257,6 +259,7 @@ def test_table3_cpu_shapes():
         assert scaled == ((h2, d2) != (h, d))
 
 
+@pytest.mark.slow
 def test_table4_smoke(tmp_path):
     t4 = _load("table4_full_step")
     summary = t4.main(["--smoke", "--allocator", "current", "--out", str(tmp_path)])
@@ -306,6 +309,7 @@ def _bench_qdot():
     return bench_qdot
 
 
+@pytest.mark.slow
 def test_bench_qdot_smoke(tmp_path):
     bq = _bench_qdot()
     out = tmp_path / "qdot_speed"

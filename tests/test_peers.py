@@ -45,6 +45,7 @@ def test_bias_statistic_separates_biased_from_unbiased():
     assert biased["mean_error_rel"] == pytest.approx(np.sqrt(0.3**2 + 1 / 256), rel=0.05)
 
 
+@pytest.mark.slow
 def test_quality_tiny_shape():
     q = peers.measure_quality((2, 8, 32, 64), "shared", n_keys=64, groups=16)
     assert set(q["rows"]) == set(peers.METHODS)
@@ -64,6 +65,7 @@ def test_quality_tiny_shape():
         assert abs(z) < 5, (which, z)
 
 
+@pytest.mark.slow
 def test_main_writes_page_and_index(tmp_path):
     s = peers.main(
         ["--time-shape", "1x8x32x64", "--stats-shape", "1x4x16x32", "--keys", "32"]

@@ -54,7 +54,7 @@ def _losses(preset, policy, mesh, data):
 _FAST = ("s3r-ec-2way",)  # the other policies run with -m slow (about 1 min each here)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("preset", ["tiny", pytest.param("tiny-moe", marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "policy", [p if p in _FAST else pytest.param(p, marks=pytest.mark.slow) for p in PRESETS]
 )

@@ -246,6 +246,7 @@ def test_guide_example_runs():
 
 
 @needs_libtpu
+@pytest.mark.slow
 def test_benchmark_smoke(tmp_path):
     """`benchmarks/tpu_compile.py --smoke` writes both pages and their JSON, and reruns merge."""
     tpu_compile = _benchmark()
