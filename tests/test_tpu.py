@@ -187,6 +187,10 @@ def test_v5p_s3r_memory_equals_rtne(layers):
     rtne, s3r = layers["rtne"].memory, layers["s3r"].memory
     tolerance = rtne.temporaries * 0.01 + 2**16
     assert s3r.temporaries <= rtne.temporaries + tolerance
+    for m in (rtne, s3r):
+        assert m.peak >= m.arguments + m.outputs - m.aliased
+    assert s3r.peak <= rtne.peak + tolerance
+    assert layers["sr"].memory.peak > rtne.peak + tolerance
     assert s3r.outputs == rtne.outputs
     assert abs(s3r.arguments - rtne.arguments) <= 1024  # the key (RTNE's is unused)
     assert layers["sr"].memory.temporaries > rtne.temporaries + tolerance
@@ -217,6 +221,7 @@ def test_v5p_vector_ops(layers):
     assert layers["s3r"].cost_model.flops > 0
     summary = layers["s3r"].summary()
     assert "hlo" not in summary and summary["memory"]["total"] == layers["s3r"].memory.total
+    assert summary["memory"]["peak"] == layers["s3r"].memory.peak
 
 
 @needs_libtpu

@@ -96,6 +96,11 @@ class MemoryAnalysis:
       int8 codes, random words, ...), after XLA's reuse of memory.
     - `aliased`: bytes of outputs that reuse (donated) input buffers.
     - `generated_code`: the program's code.
+    - `peak`: XLA's `peak_memory_in_bytes`, the largest total size of the buffers live at
+      one time in the compiler's simulation of the program, arguments and outputs
+      included. It is not bounded by `total` (for small programs it exceeds it), and two
+      programs whose live buffers match can still get `temporaries` that differ by the
+      holes of their packing, so the pages report both.
     """
 
     arguments: int
@@ -103,6 +108,7 @@ class MemoryAnalysis:
     temporaries: int
     aliased: int
     generated_code: int
+    peak: int
 
     @property
     def total(self) -> int:
@@ -283,6 +289,7 @@ def compile_for_tpu(
         temporaries=int(ma.temp_size_in_bytes),
         aliased=int(ma.alias_size_in_bytes),
         generated_code=int(ma.generated_code_size_in_bytes),
+        peak=int(ma.peak_memory_in_bytes),
     )
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
