@@ -266,3 +266,79 @@ def test_benchmark_smoke(tmp_path):
     page = (tmp_path / "tpu_compile.md").read_text()
     assert page.startswith("# TPU v5p compile") and "not a measured time" in page
     assert "python benchmarks/tpu_compile.py" in (tmp_path / "tpu_table4.md").read_text()
+
+
+def _row(temporaries: int, peak: int | None, args: int = 2**30) -> dict:
+    """A compiled program's JSON row as the benchmark stores it (no compile)."""
+    memory = {"arguments": args, "outputs": args, "temporaries": temporaries, "aliased": 0}
+    memory["total"] = 2 * args + temporaries
+    if peak is not None:
+        memory["peak"] = peak
+    return {
+        "memory": memory,
+        "commit": "0000000",
+        "layer_gemms": ["s8 x s8 -> s32"] * 9,
+        "n_integer_gemms": 9,
+        "fusions": 40,
+        "largest_u32": None,
+        "vector_ops_per_upstream_element": 30.0,
+    }
+
+
+def test_pages_check_targets_on_temporaries_and_peak():
+    """The pages' verdicts are computed on both metrics: a block whose RTNE temporaries
+    exceed S3R's by 50% while the peaks are equal fails S3R = RTNE on temporaries only, and
+    a two-way step surplus of 0.5 GB in the total but 0.3 GB in the peak fails the 0.4 GB
+    target on the total only. Rows without a peak show a dash."""
+    tc = _benchmark()
+    meta = {"jax": "x", "platform": "x", "topology": "v5p:2x2x1", "device_kind": "TPU v5"}
+    M = 2**20
+    block = {
+        "rtne": _row(600 * M, 700 * M),
+        "s3r": _row(400 * M, 700 * M),
+        "s3r-ec-dx": _row(410 * M, 714 * M),  # +2.5% / +2.0%: both met
+        "s3r-ec-2way": _row(600 * M, 770 * M),  # +50% / +10%: met on the peak only
+    }
+    old = {"rtne": _row(100 * M, None), "s3r": _row(100 * M, None)}
+    ffn = {
+        "W2": {"h": 1024, "d_ff": 4096, "tokens": [16, 4096], "policies": block},
+        "W4": {"h": 3072, "d_ff": 12288, "tokens": [16, 4096], "policies": old},
+    }
+    page = tc.markdown({"meta": meta, "layer": {}, "ffn": ffn})
+    w2 = next(line for line in page.splitlines() if line.startswith("| W2 | 1.45"))
+    assert w2.endswith(
+        "| S3R = RTNE **no**, dX-only yes, two-way **no** | +0.0% / +10.0% / +2.0% "
+        "| S3R = RTNE yes, dX-only yes, two-way yes |"
+    ), w2
+    w4 = next(line for line in page.splitlines() if line.startswith("| W4 | 1.92"))
+    assert w4.endswith("| — / — / — | S3R = RTNE —, dX-only —, two-way — |"), w4
+    reading = page[page.index("Reading (generated)") :]
+    assert "on temporaries, S3R -33.3% to +0.0% over RTNE at W2, W4" in reading
+    assert "on peak, S3R +0.0% over RTNE at W2 (target and paper: the same; within 1%" in reading
+    assert "two-way +50.0% over S3R (target +14%: above it at W2" in reading
+    assert "two-way +10.0% over S3R (target +14%: within it at W2" in reading
+    assert "the largest is RTNE at W2, +50.0% on temporaries" in reading
+
+    G = 10**9
+    step = lambda t, k: _row(t, k, args=10 * G)
+    dense = {"rtne": step(5 * G, 30 * G), "s3r": step(5 * G, 30 * G)}
+    dense["s3r-ec-2way"] = step(5 * G + G // 2, 30 * G + 3 * G // 10)
+    moe = {"s3r": step(9 * G, 40 * G), "s3r-ec-2way": step(10 * G, 40 * G + 7 * G // 10)}
+    spec = {"n_layers": 2, "moe_layers": 0, "seq": 4096, "batch": 16}
+    t4 = {
+        "meta": meta | {"mesh": {"fsdp": 2, "tp": 2}},
+        "smoke": False,
+        "models": {
+            "Llama 3.1-8B": spec | {"policies": dense},
+            "Qwen3-30B-A3B": spec | {"n_layers": 1, "moe_layers": 1, "policies": moe},
+        },
+    }
+    page = tc.markdown_table4(t4)
+    assert "| Llama 3.1-8B | +0.000 / +0.000 | 0 (same) | +0.500 / +0.300 |" in page
+    assert "The cuts differ between models" in page
+    reading = page[page.index("Reading (generated)") :]
+    total, peak = reading.split("on the peak, ")
+    assert "+0.500 GB (Llama 3.1-8B) (target and paper: at most +0.4 GB: above it" in total
+    assert "+1.000 GB (Qwen3-30B-A3B, 2.0x)" in total and "2x: within it" in total
+    assert "+0.300 GB (Llama 3.1-8B) (target and paper: at most +0.4 GB: within it" in peak
+    assert "+0.700 GB (Qwen3-30B-A3B, 2.3x)" in peak and "above it for Qwen3-30B-A3B" in peak
