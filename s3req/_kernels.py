@@ -48,12 +48,21 @@ def code_sums(q: Int8[Array, "b s n"], axis: int) -> Float[Array, "..."]:
     """Exact sums of int8 codes over the tokens of every example (`axis=1`, `(b, n)`) or over
     the last axis (`axis=2`, `(b, s)`), as float32: a thin int8 GEMM with a ones column (row)
     padded to `SUM_ALIGN`, exact in int32. (As a reduction, XLA CPU fuses the sum into its
-    consumer; the sums of `Xq` then read full-size float32 operands written for them.)"""
+    consumer; the sums of `Xq` then read full-size float32 operands written for them.)
+
+    Over the tokens of up to `SUM_ALIGN` examples the GEMM is one `(SUM_ALIGN, b s)` one-hot
+    matrix of the examples against the codes as `(b s, n)`, the layout the backward GEMMs
+    read: as many multiply-adds as the batched form, whose 3-D operand XLA writes in a second
+    buffer, quantizing the codes a second time (for `Q`, its random thresholds too)."""
     B, S, N = q.shape
     check_sum_terms(q.shape[axis])
     ones = (jnp.arange(SUM_ALIGN) == 0).astype(jnp.int8)
     if axis == 2:
         sums = _int_dot(q, jnp.broadcast_to(ones, (N, SUM_ALIGN)), ((2,), (0,)))[..., 0]
+    elif B <= SUM_ALIGN:
+        example = jnp.arange(B * S) // S
+        onehot = (jnp.arange(SUM_ALIGN)[:, None] == example[None, :]).astype(jnp.int8)
+        sums = _int_dot(onehot, q.reshape(B * S, N), ((1,), (0,)))[:B]
     else:
         ones = jnp.broadcast_to(ones[:, None], (B, SUM_ALIGN, S))
         sums = _int_dot(ones, q, ((2,), (1,)), ((0,), (0,)))[:, 0, :]

@@ -1,7 +1,7 @@
 """The XLA:CPU kernel of the dense layer's statistics against the reference path.
 
 Both compute the same maths (`s3req/_backward.py`); the CPU kernel (`s3req/_kernels.py`)
-writes the sums of `G'` as mat-vecs and the error-correction products with `Wq` and `Xq` as
+writes the sums of the codes as thin int8 GEMMs (exact), the sums of `G'` as mat-vecs and the error-correction products with `Wq` and `Xq` as
 int8 GEMMs on base-128 digits. So: without error correction they are the same arithmetic and
 agree bit for bit; with it, the reference sums the error `E = Delta Q - G'` element by
 element and the kernel sums the codes (exactly) and `G'` apart, float32 sums of `n` terms in
@@ -22,6 +22,7 @@ import pytest
 import s3req._backward as backward
 from policies import MXFP4, NoEC, Phi2D, Policy, TwoWayEC
 from s3req import qdot
+from s3req._kernels import code_sums, SUM_ALIGN
 from s3req._qdot import qdot_t
 
 from .helpers import ALL_POLICIES, policy_id
@@ -88,3 +89,13 @@ def test_kernels_agree_for_transposed_weights(getkey):
     cpu = _grads(policy, x, w, g, key, "cpu", transposed=True)
     for a, b in zip(ref[1:], cpu[1:]):
         assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 2.0**-16 * np.abs(a).max()
+
+
+@pytest.mark.parametrize("batch", [SUM_ALIGN, SUM_ALIGN + 1])
+def test_code_sums_over_tokens_exact(batch, getkey):
+    """The token sums of int8 codes are exact in both forms: one one-hot GEMM over all
+    tokens (up to SUM_ALIGN examples) and the batched ones rows (more examples)."""
+    q = jr.randint(getkey(), (batch, 37, 11), -127, 128).astype(jnp.int8)
+    got = jax.jit(lambda q: code_sums(q, 1))(q)
+    assert got.dtype == jnp.float32 and got.shape == (batch, 11)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(q, np.int64).sum(axis=1))
