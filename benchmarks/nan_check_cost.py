@@ -1,8 +1,9 @@
-"""Cost of the NaN/Inf check of `qdot` (docs/guides/reliability.md).
+"""Cost of the NaN/Inf checks of `qdot` (docs/guides/reliability.md).
 
-Times one `qdot` forward+backward with the check (`finite_absmax`: `max|.|` plus an `isnan`
-reduction per tensor) and without it (the same program with a plain `max|.|`), both compiled
-first and then timed round-robin in one process; prints the medians and their ratio.
+Times one `qdot` forward+backward with the input check (`finite_absmax`: `max|.|` plus an
+`isnan` reduction per tensor) and without it (the same program with a plain `max|.|`), then
+with the output check (`dX` and `dW` finite after the cast, `_bwd`) and without it, each pair
+compiled first and then timed round-robin in one process; prints the medians and their ratio.
 
     python benchmarks/nan_check_cost.py [--shape 4x256x1024x4096] [--repeats 15]
 """
@@ -19,7 +20,7 @@ import numpy as np
 import s3req._backward as _backward
 import s3req._quantize as _quantize
 from policies import preset
-from s3req import qdot
+from s3req import qdot, ShardAxes
 
 
 def _plain_absmax(x, axis=None, keepdims=False):
@@ -51,6 +52,7 @@ def compare(description: str, labels: tuple[str, str], patched) -> None:
         jr.normal(kg, (B, S, D), jnp.bfloat16),
         jr.key(1),
     )
+    print(description)
     print(f"qdot fwd+bwd x({B},{S},{H}) bf16 @ w({H},{D}) f32, {jax.devices()[0].platform}")
     for name in args.policies.split(","):
         policy = preset(name)
@@ -84,8 +86,29 @@ def _unchecked():
         _quantize.finite_absmax, _backward.finite_absmax = saved
 
 
+@contextlib.contextmanager
+def _outputs_unchecked():
+    # `_checked` also checks the scales; only the calls with the overflow message are dropped.
+    saved = _backward._checked
+    marker = _backward._overflow(_backward.Dense(ShardAxes(), False), "dX").split("dX", 1)[1]
+
+    def checked(v, axes, roles, msg):
+        return v if marker in msg else saved(v, axes, roles, msg)
+
+    _backward._checked = checked
+    try:
+        yield
+    finally:
+        _backward._checked = saved
+
+
 def main():
-    compare("Cost of the NaN/Inf check of qdot.", ("checked", "unchecked"), _unchecked)
+    compare("Cost of the NaN/Inf check of qdot's inputs.", ("checked", "unchecked"), _unchecked)
+    compare(
+        "Cost of the finiteness check of qdot's outputs.",
+        ("output checked", "output unchecked"),
+        _outputs_unchecked,
+    )
 
 
 if __name__ == "__main__":
