@@ -338,7 +338,7 @@ def measure(shapes: str, repeats: int, moe: str = "none", moe_budget: float = MO
         print(allocator_mode(), preset, {n: round(v * 1e3, 2) for n, v in t.items()}, flush=True)
     return {
         "allocator": allocator_mode(),
-        "load_average_1min": round(os.getloadavg()[0], 2),
+        **machine_load(),
         "rows": rows,
         "moe_rows": moe_rows,
     }
@@ -408,6 +408,34 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 ENGINE_PATHS = ("s3req", "policies", "models")
+
+
+def machine_load() -> dict:
+    """The 1-minute load average now and, where Linux groups processes by session
+    (`sched_autogroup_enabled`), this process's autogroup nice: the CPUs are then shared
+    between the groups first and `nice` orders threads only within one, so another session's
+    `nice -n 19` job takes an equal share unless this group's nice is lower."""
+    out: dict = {"load_average_1min": round(os.getloadavg()[0], 2)}
+    try:
+        if pathlib.Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1":
+            group = pathlib.Path("/proc/self/autogroup").read_text().split()
+            out["autogroup_nice"] = int(group[-1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def load_text(samples: list[dict]) -> str:
+    """`load average A` (or `A-B` over several samples) `on a shared 2-core machine`, with
+    the autogroup nice of the timing process where it was set (see `machine_load`)."""
+    loads = [d["load_average_1min"] for d in samples]
+    text = f"load average {min(loads)}" + (f"-{max(loads)}" if max(loads) > min(loads) else "")
+    text += " on a shared 2-core machine"
+    nice = {d["autogroup_nice"] for d in samples if "autogroup_nice" in d}
+    if nice:
+        text += ", the timing process at autogroup nice " + "/".join(map(str, sorted(nice)))
+        text += " so that the other sessions' jobs yield to it"
+    return text
 
 
 def _commit() -> str:
@@ -488,6 +516,10 @@ def _target_table(runs, field: str, columns: list) -> list:
 def _markdown(meta, runs) -> str:
     names = list(runs[0]["rows"][0]["fwd_bwd_s"])
     loads = ", ".join(f"{r['allocator']} {r['load_average_1min']}" for r in runs)
+    nice = {r["autogroup_nice"] for r in runs if "autogroup_nice" in r}
+    if nice:
+        loads += " (the timing processes at autogroup nice " + "/".join(map(str, sorted(nice)))
+        loads += ", so that the other sessions' jobs yield to them)"
     warm = " ".join(f"`{k}={v}`" for k, v in meta["warm_allocator"].items())
     lines = [
         "# qdot speed (CPU)",

@@ -49,6 +49,8 @@ from bench_qdot import (  # noqa: E402
     allocator_mode,
     allocator_note,
     command_line,
+    load_text,
+    machine_load,
     run_with_allocator,
 )
 
@@ -150,6 +152,7 @@ def speed(models_: dict, repeats: int, policies=POLICIES) -> dict:
             "seq": seq,
             "params": models.count_params(cfg),
             "median_s": times,
+            "load": machine_load(),
         }
         print(
             f"[table4] {name}: "
@@ -303,7 +306,13 @@ def markdown(s: dict) -> str:
         "",
         "One training step (forward, INT8 backward, clipping, AdamW) per policy, the same "
         f"weights, tokens and key; median of {s['repeats']} round-robin repeats after compiling "
-        "every policy, in one process on a shared machine (differences of a few % are noise). "
+        "every policy, in one process on a shared machine"
+        + (
+            f" ({load_text([m['load'] for m in s['speed'].values()])})"
+            if all("load" in m for m in s["speed"].values())
+            else ""
+        )
+        + " (differences of a few % are noise). "
         "On a CPU the int8 GEMM is not faster than the float one, so the speedups over BF16 "
         "do not transfer; the ratios between INT8 policies measure the rounding, "
         "threshold and correction work. The last two columns give the paper's TPU v5p "
