@@ -306,13 +306,13 @@ def markdown(s: dict) -> str:
         "",
         "One training step (forward, INT8 backward, clipping, AdamW) per policy, the same "
         f"weights, tokens and key; median of {s['repeats']} round-robin repeats after compiling "
-        "every policy, in one process on a shared machine"
+        "every policy, in one process"
         + (
             f" ({load_text([m['load'] for m in s['speed'].values()])})"
             if all("load" in m for m in s["speed"].values())
-            else ""
+            else " on a shared machine"
         )
-        + " (differences of a few % are noise). "
+        + ": differences of a few % are noise. "
         "On a CPU the int8 GEMM is not faster than the float one, so the speedups over BF16 "
         "do not transfer; the ratios between INT8 policies measure the rounding, "
         "threshold and correction work. The last two columns give the paper's TPU v5p "
