@@ -769,6 +769,36 @@ def _packing(rows: dict[str, dict]) -> str | None:
     )
 
 
+def _bytes(rows: dict[str, dict]) -> str | None:
+    """The EC surplus over S3R in MiB on both metrics (a percentage of the peak is of a base
+    that holds the arguments and outputs too, so it reads smaller for the same bytes)."""
+    spans = []
+    for p, label, base, _ in EC_CHECKS:
+        have = [
+            P_
+            for P_ in rows.values()
+            if all(_mem(P_, q, m) is not None for q in (p, base) for m in METRICS)
+        ]
+        if have:
+            d = {
+                m: [(_mem(P_, p, m) or 0) - (_mem(P_, base, m) or 0) for P_ in have]
+                for m in METRICS
+            }
+            span = lambda v: f"{min(v) / 2**20:+.1f} to {max(v) / 2**20:+.1f}"
+            spans.append(
+                f"{label} {span(d['peak'])} MiB on the peak ({span(d['temporaries'])} on "
+                "temporaries)"
+            )
+    if not spans:
+        return None
+    return (
+        "in bytes over S3R, "
+        + " and ".join(spans)
+        + "; a percentage of the peak is of a base that also holds the arguments and outputs, "
+        "so the same bytes read smaller on it than on temporaries"
+    )
+
+
 def _reading(s: dict) -> str:
     rows = {
         w: s["ffn"][w]["policies"]
@@ -777,6 +807,8 @@ def _reading(s: dict) -> str:
     }
     parts = [x for m in METRICS if (x := _reading_metric(rows, m)) is not None]
     if (x := _packing(rows)) is not None:
+        parts.append(x)
+    if (x := _bytes(rows)) is not None:
         parts.append(x)
     u32 = [
         (w, p)

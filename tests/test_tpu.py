@@ -318,6 +318,7 @@ def test_pages_check_targets_on_temporaries_and_peak():
     assert "two-way +50.0% over S3R (target +14%: above it at W2" in reading
     assert "two-way +10.0% over S3R (target +14%: within it at W2" in reading
     assert "the largest is RTNE at W2, +50.0% on temporaries" in reading
+    assert "two-way +70.0 to +70.0 MiB on the peak (+200.0 to +200.0 on temporaries)" in reading
 
     G = 10**9
     step = lambda t, k: _row(t, k, args=10 * G)
