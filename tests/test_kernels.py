@@ -1,16 +1,17 @@
 """The XLA:CPU kernel of the dense layer's statistics against the reference path.
 
 Both compute the same maths (`s3req/_backward.py`); the CPU kernel (`s3req/_kernels.py`)
-writes the sums of the codes as thin int8 GEMMs (exact), the sums of `G'` as mat-vecs and the error-correction products with `Wq` and `Xq` as
-int8 GEMMs on base-128 digits. So: without error correction they are the same arithmetic and
-agree bit for bit; with it, the reference sums the error `E = Delta Q - G'` element by
-element and the kernel sums the codes (exactly) and `G'` apart, float32 sums of `n` terms in
-another order (each below `(n + 1) 2**-24 sum|G'|` from the exact sum, the `+ 1` the rounding
-of each `Delta Q - G'`), and the digit products carry a remainder below `2**-21` of each
-factor's largest entry, so the corrected float32 gradients agree to within `2**-16` of their
-largest entry (a bound with a wide margin over both effects: the measured gap is near
-`2**-22`); a bf16 dX may in addition differ by one bf16 ulp (`2**-7` of the element) where
-that float difference flips its final rounding.
+writes the sums of the codes as thin int8 GEMMs (exact), the sums of `G'` as mat-vecs and
+the error-correction products with `Wq` and `Xq` as int8 GEMMs on base-128 digits. So:
+without error correction they are the same arithmetic and agree bit for bit; with it, the
+reference sums the error `E = Delta Q - G'` element by element and the kernel sums the codes
+(exactly) and `G'` apart, float32 sums of `n` terms in another order (each below `(n + 1)
+2**-24 sum|G'|` from the exact sum, the `+ 1` the rounding of each `Delta Q - G'`), and the
+digit products carry a remainder below `2**-21` of each factor's largest entry, so the
+corrected float32 gradients agree to within `2**-16` of their largest entry (a bound with a
+wide margin over both effects: the measured gap is near `2**-22`); a bf16 dX may in addition
+differ by one bf16 ulp (`2**-7` of the element) where that float difference flips its final
+rounding.
 """
 
 import jax
@@ -92,10 +93,10 @@ def test_kernels_agree_for_transposed_weights(getkey):
 
 
 @pytest.mark.parametrize("batch", [SUM_ALIGN, SUM_ALIGN + 1])
-def test_code_sums_over_tokens_exact(batch, getkey):
+def test_code_sums_over_tokens_exact(batch):
     """The token sums of int8 codes are exact in both forms: one one-hot GEMM over all
     tokens (up to SUM_ALIGN examples) and the batched ones rows (more examples)."""
-    q = jr.randint(getkey(), (batch, 37, 11), -127, 128).astype(jnp.int8)
+    q = np.random.default_rng(batch).integers(-127, 128, (batch, 37, 11)).astype(np.int8)
     got = jax.jit(lambda q: code_sums(q, 1))(q)
     assert got.dtype == jnp.float32 and got.shape == (batch, 11)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(q, np.int64).sum(axis=1))
