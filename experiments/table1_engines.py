@@ -4,7 +4,8 @@ The runs of `docs/results/table1_cpu_runs.jsonl` were trained by engines of seve
 (see `UNRECORDED_ENGINE` and the `commit` field in `table1_quality.py`). This script runs one
 `qdot` forward and VJP per Table I policy preset at the shape of the `tiny` model's MLP
 (16 x 128 tokens, 128 -> 512), with fixed inputs and one fixed key, under each engine: the
-checkout's own and every `--commits` commit (exported with `git archive` into a temporary
+checkout's own and every `--commits` commit (by default every engine that the stored runs
+and reruns name, other than the checkout's; each exported with `git archive` into a temporary
 folder and imported from there, in a subprocess). It reports, per preset and output
 (`out`, `dx`, `dw`), whether the result is bitwise equal to the checkout's and otherwise the
 relative difference (`||a - b|| / ||b||`, and the largest elementwise difference over the
@@ -28,8 +29,8 @@ import numpy as np
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-COMMITS = ("05a59a9", "e002f7f")
-"""The engines of the stored runs that predate recorded commits (`UNRECORDED_ENGINE`)."""
+RUN_FILES = ("table1_cpu_runs.jsonl", "table1_cpu_recheck.jsonl")
+"""The stored runs (and reruns) whose engines the probe compares, in `--out`."""
 PRESETS = (
     "rtne",
     "sr",
@@ -41,6 +42,41 @@ PRESETS = (
     "s3r-bcast-ec-2way",
 )
 """The quantized policies of Table I (BF16 does not call the engine)."""
+
+
+def run_engines(out: pathlib.Path, checkout: str) -> list[str]:
+    """Every engine commit that the runs of `RUN_FILES` in `out` were trained with (a run's
+    `commit`, else `UNRECORDED_ENGINE`), in first-seen order, without the checkout's own and
+    without a commit named twice (by abbreviations of different lengths). Runs whose engine
+    names no commit (`not recorded`, `unknown`, or uncommitted `+dirty` changes) cannot be
+    exported and are left out."""
+    from table1_quality import engine_of
+
+    def full(commit: str) -> str:
+        got = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", commit + "^{commit}"],
+            capture_output=True,
+            text=True,
+        )
+        if got.returncode != 0:
+            raise ValueError(f"table1_engines: no commit {commit!r} in {ROOT} (a shallow clone?)")
+        return got.stdout.strip()
+
+    seen, commits = {full(checkout.removesuffix("+dirty"))}, []
+    for name in RUN_FILES:
+        path = out / name
+        if not path.is_file():
+            continue
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            commit = engine_of(json.loads(line))
+            if commit.endswith("+dirty") or commit in ("unknown", "not recorded"):
+                continue  # no commit to export (the page's engine table names these runs)
+            if full(commit) not in seen:
+                seen.add(full(commit))
+                commits.append(commit)
+    return commits
 
 
 def probe(path: str) -> None:
@@ -85,7 +121,12 @@ def compare(a: np.ndarray, b: np.ndarray) -> dict[str, float | bool]:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--commits", default=",".join(COMMITS))
+    ap.add_argument(
+        "--commits",
+        default=None,
+        help="comma-separated engine commits to compare with the checkout (default: every "
+        "engine of the stored runs and reruns in --out)",
+    )
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
     ap.add_argument("--probe", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -96,10 +137,15 @@ def main(argv: list[str] | None = None) -> dict:
     from table1_quality import engine_commit
 
     result = {"checkout": engine_commit(), "presets": list(PRESETS)}
+    out = pathlib.Path(args.out)
+    if args.commits is None:
+        commits = run_engines(out, result["checkout"])
+    else:
+        commits = [c for c in args.commits.split(",") if c]
     with tempfile.TemporaryDirectory() as tmp:
         mine = run_probe(ROOT, pathlib.Path(tmp) / "checkout.npz")
         result["engines"] = {}
-        for commit in [c for c in args.commits.split(",") if c]:
+        for commit in commits:
             tree = pathlib.Path(tmp) / commit
             tree.mkdir()
             tar = subprocess.run(
@@ -108,7 +154,6 @@ def main(argv: list[str] | None = None) -> dict:
             subprocess.run(["tar", "-x", "-C", str(tree)], input=tar, check=True)
             theirs = run_probe(tree, pathlib.Path(tmp) / f"{commit}.npz")
             result["engines"][commit] = {k: compare(theirs[k], mine[k]) for k in mine}
-    out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table1_cpu_engines.json").write_text(json.dumps(result, indent=1))
     for commit, parts in result["engines"].items():

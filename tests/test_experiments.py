@@ -148,6 +148,46 @@ def test_table1_engines_section():
     assert "the reruns of BF16 above reproduce" in text
 
 
+def test_table1_engines_to_probe(tmp_path):
+    """The engine probe's default commits: every engine the runs and reruns name, once (an
+    abbreviation of any length), without the checkout's own or runs that name no commit."""
+    t1, t1e = _load("table1_quality"), _load("table1_engines")
+    old = t1.UNRECORDED_ENGINE[0]
+
+    def git(*args):
+        return subprocess.run(
+            ["git", "-C", str(EXPERIMENTS.parent), *args], capture_output=True, text=True
+        )
+
+    if git("rev-parse", "--verify", f"{old}^{{commit}}").returncode != 0:
+        pytest.skip(f"needs a git checkout holding the old engine {old} (not shallow)")
+    head = git("rev-parse", "HEAD").stdout.strip()
+    prev = git("rev-parse", "HEAD~1").stdout.strip()
+
+    def rec(seed, **extra):
+        return json.dumps({"config": "sr", "lr": 3e-3, "seed": seed, **extra})
+
+    (tmp_path / "table1_cpu_runs.jsonl").write_text(
+        "\n".join(
+            [
+                rec(0),  # UNRECORDED_ENGINE[0]
+                rec(1, commit=prev[:7]),
+                rec(2, commit=prev[:12]),  # the same commit again
+                rec(3, commit=head[:12]),  # the checkout's own
+                rec(99),  # not recorded
+                rec(4, commit=prev[:7] + "+dirty"),
+            ]
+        )
+        + "\n"
+    )
+    (tmp_path / "table1_cpu_recheck.jsonl").write_text(rec(0, commit=prev) + "\n")
+    assert t1e.run_engines(tmp_path, head[:12] + "+dirty") == [old, prev[:7]]
+    # A commit that does not exist is an error, not a silently skipped engine.
+    (tmp_path / "table1_cpu_recheck.jsonl").write_text(rec(0, commit="0" * 12) + "\n")
+    with pytest.raises(ValueError, match="no commit '000000000000'"):
+        t1e.run_engines(tmp_path, head[:12])
+
+
 @pytest.mark.slow
 def test_table2_smoke(tmp_path):
     t2 = _load("table2_gradient_error")
