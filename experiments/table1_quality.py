@@ -825,6 +825,18 @@ def engines_markdown(summary: dict) -> list[str]:
                 else "."
             ),
         ]
+        twins = [
+            c
+            for c, parts in probe["engines"].items()
+            if all(x["identical"] for x in parts.values())
+        ]
+        if twins:
+            lines[-1] += (
+                f" {', '.join(f'`{c}`' for c in twins)} "
+                + ("computes" if len(twins) == 1 else "compute")
+                + f" bitwise the same as `{probe['checkout']}` for every preset, the S3R-EC "
+                "ones included."
+            )
     exact = sorted({CONFIGS[r["config"]] for r in rechecks if r["identical"]})
     drift = [abs(r["rerun"] - r["stored"]) for r in rechecks if not r["identical"]]
     lines += [

@@ -135,17 +135,35 @@ def test_table1_engines_section():
     ec = got["s3r-ec-2way"]
     assert not ec["identical"] and ec["first_train_step_differing"] == 10
     assert math.isclose(ec["rerun"] - ec["stored"], 0.25)
+    same = {"identical": True, "rel_norm": 0.0}
+    probe = {
+        "checkout": "n",
+        "presets": ["sr", "s3r-ec-2way"],
+        "engines": {
+            "05a59a9": {
+                "sr/dx": same,
+                "s3r-ec-2way/out": same,
+                "s3r-ec-2way/dx": {"identical": False, "rel_norm": 4.2e-8},
+            },
+            "m": {"sr/dx": same, "s3r-ec-2way/out": same, "s3r-ec-2way/dx": same},
+        },
+    }
     text = "\n".join(
         t1.engines_markdown(
             {
                 "engines": {"0": {"05a59a9": ["bf16"]}, "4": {"n": ["sr"], "m": ["bf16"]}},
                 "rechecks": list(got.values()),
+                "engine_probe": probe,
             }
         )
     )
     assert "| 0 | `05a59a9` |" in text and "| 4 | `n` (Independent SR); `m` (BF16) |" in text
     assert "moved its final loss by 0.2500" in text
     assert "the reruns of BF16 above reproduce" in text
+    assert "`sr` are bitwise identical on every engine" in text
+    assert "`s3r-ec-2way` 4.2e-08" in text
+    assert "`m` computes bitwise the same as `n` for every preset" in text
+    assert "`05a59a9` compute" not in text
 
 
 def test_table1_engines_to_probe(tmp_path):
