@@ -20,8 +20,9 @@ and start the same command again). Scales:
   on 2 shared CPU cores. The published page adds two seeds with `--seeds 5` (the finished
   runs are reused; another 10-15 min).
 - `cpu`: 400 steps of 16 x 128 tokens, learning rates {1e-3, 3e-3, 6e-3} on seed 0, 6 seeds:
-  27 sweep runs + 45 runs of seeds 1-5, 72 runs of 85-400 s each on 2 CPU cores (the first
-  three seeds alone: `--seeds 3`).
+  27 sweep runs + 45 runs of seeds 1-5, 72 runs of 73-1031 s each (`wall_s` of the stored
+  runs: 5.6 hours in all, on 2 CPU cores shared with other jobs; the first three seeds alone:
+  `--seeds 3`).
 
     python experiments/table1_quality.py --scale quick
     python experiments/table1_quality.py --scale quick --seeds 5   # the published page
