@@ -44,6 +44,7 @@ from ._thresholds import Layout, Rows
 
 _F32 = jnp.float32
 _I32 = jnp.int32
+_HIGHEST = jax.lax.Precision.HIGHEST  # float32 products (TPU's default rounds them to bf16)
 
 MAX_TERMS = (2**31 - 1) // (QMAX * QMAX)
 """Most int8 x int8 products an int32 accumulator can sum without overflow (133143)."""
@@ -112,7 +113,9 @@ def _ragged(lhs: Array, rhs: Array, group_sizes: Array, dims, rhs_group: bool) -
     )
     if lhs.dtype == rhs.dtype == jnp.int8:
         return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dn, preferred_element_type=_I32)
-    return jax.lax.ragged_dot_general(lhs.astype(_F32), rhs.astype(_F32), group_sizes, dn)
+    return jax.lax.ragged_dot_general(
+        lhs.astype(_F32), rhs.astype(_F32), group_sizes, dn, precision=_HIGHEST
+    )
 
 
 def _ragged_token_contraction(
@@ -133,6 +136,28 @@ def _ragged_token_contraction(
             _ragged(xq[lo:hi], q[lo:hi], sizes.astype(group_sizes.dtype), ((0,), (0,)), False)
         )
     return _split_sum(jnp.stack(parts))
+
+
+EPS_DIGITS = 4
+"""Signed base-128 digits of the token means in `_int8_digits`."""
+
+
+def _int8_digits(v: Float[Array, " n"]) -> tuple[Int8[Array, "n k"], Float[Array, " k"]]:
+    """`v` as `EPS_DIGITS` int8 digits per element and their float32 weights,
+    `v ~ digits @ weights`: `v / max|v|` is rounded to a multiple of `2**-24` and written in
+    signed base 128 (digits in [-64, 64]), so the error is at most `2**-24 |v| + 2**-25
+    max|v|` (float32 precision), and a contraction of int8 codes with the digits is exact in
+    int32 (`_ragged_token_contraction`)."""
+    amax = jnp.max(jnp.abs(v), initial=0.0)
+    unit = jnp.where(amax > 0, amax, 1.0) * 2.0**-24
+    rest = jnp.round(v / unit)
+    digits = []
+    for _ in range(EPS_DIGITS):
+        d = rest - 128.0 * jnp.round(rest / 128.0)
+        digits.append(d)
+        rest = (rest - d) / 128.0
+    weights = unit * 128.0 ** jnp.arange(EPS_DIGITS, dtype=_F32)
+    return jnp.stack(digits, axis=1).astype(jnp.int8), weights
 
 
 def _sum(v: Array, axis: int) -> Array:
@@ -387,15 +412,26 @@ class Ragged(AbstractLayer):
     def row_sums(self, v):
         return _sum(v, 1)
 
+    def _examples(self, dtype) -> Array:
+        """The one-hot `(n, examples)` matrix of every row's example."""
+        B = self.num_examples
+        return (self.example_id[:, None] == jnp.arange(B, dtype=_I32)[None, :]).astype(dtype)
+
     def segment_sums(self, v):
+        # Per expert, the rows contracted with the one-hot of their example: a ragged GEMM
+        # whose operands XLA computes inside it (a scatter-add would write `v` to memory).
         if v.dtype == jnp.int8:
             check_sum_terms(v.shape[0])
-            v = v.astype(_I32)
-        return jax.ops.segment_sum(v, self._segment, self._segments).astype(_F32)
+        rows = v.reshape(v.shape[0], -1)
+        lhs = self._examples(jnp.int8 if v.dtype == jnp.int8 else _F32)
+        sums = _ragged(lhs, rows, self.group_sizes, ((0,), (0,)), False)  # (E, B, c)
+        sums = jnp.swapaxes(sums, 0, 1).reshape(self._segments, *v.shape[1:])
+        return sums.astype(_F32)
 
     def segment_tokens(self, gp):
-        ones = jnp.ones(self.row_id.shape, _F32)
-        count = self.axes.psum(self.segment_sums(ones), *self.segment_roles)
+        count = self.axes.psum(
+            self.segment_sums(jnp.ones(self.row_id.shape, jnp.int8)), *self.segment_roles
+        )
         return jnp.maximum(count, 1.0)
 
     def weight_row_sums(self, wq):
@@ -403,16 +439,23 @@ class Ragged(AbstractLayer):
 
     def channel_dx(self, am, wq):
         B, E = self.num_examples, self._experts
-        per_segment = jnp.einsum("bed,ehd->beh", am.reshape(B, E, -1), wq.astype(_F32))
+        per_segment = jnp.einsum(
+            "bed,ehd->beh", am.reshape(B, E, -1), wq.astype(_F32), precision=_HIGHEST
+        )
         return per_segment.reshape(B * E, -1)[self._segment]
 
     def token_dw(self, xq, eps):
-        per_row = xq.astype(_F32) * eps[:, None]
-        return jax.ops.segment_sum(per_row, self._expert, self._experts)[:, :, None]
+        # An int8 ragged contraction of the rows of Xq with the digits of eps (in float32,
+        # XLA TPU writes the converted Xq to memory, a float32 copy of the activations).
+        digits, weights = _int8_digits(eps)
+        parts = _ragged_token_contraction(xq, digits, self.group_sizes)  # (E, h, digits)
+        return jnp.sum(parts * weights[None, None, :], axis=2, keepdims=True)
 
     def channel_dw(self, xsum, am):
         B, E = self.num_examples, self._experts
-        return jnp.einsum("beh,bed->ehd", xsum.reshape(B, E, -1), am.reshape(B, E, -1))
+        return jnp.einsum(
+            "beh,bed->ehd", xsum.reshape(B, E, -1), am.reshape(B, E, -1), precision=_HIGHEST
+        )
 
 
 # --- the error terms ------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 
 from policies import DxOnlyEC, Nearest, NoEC, Phi2D, PhiBcast, Policy, TwoWayEC
 from s3req import absmax_scale, MAX_TERMS, qdot, qragged_dot, round_to_int8
+from s3req._backward import EPS_DIGITS
 
 from .helpers import ALL_POLICIES, iter_eqns, policy_id, STOCHASTIC_POLICIES
 
@@ -214,14 +215,17 @@ def test_thresholds_follow_row_ids_not_positions(getkey):
 
 @pytest.mark.parametrize("policy", ALL_POLICIES, ids=policy_id)
 def test_jaxpr_int8_ragged_gemms(policy):
-    """Every ragged GEMM of forward + backward takes int8 operands and accumulates in int32,
-    and (policies that quantize once) one int8 gradient feeds both backward GEMMs."""
-    n, E, H, D = 24, 3, 16, 12
+    """The three ragged GEMMs of forward + backward take int8 operands and accumulate in
+    int32, and (policies that quantize once) one int8 gradient feeds both backward GEMMs.
+    The error correction adds only thin ragged contractions over the rows (against the
+    one-hot of the examples or the digits of the token means), and no
+    scatter-add of a full-size array (on TPU a scatter writes its operand to memory)."""
+    n, E, H, D, B = 24, 3, 16, 12, 2
     sds = jax.ShapeDtypeStruct
     args = (sds((n, H), jnp.float32), sds((E, H, D), jnp.float32), sds((n, D), jnp.float32))
     gs = jnp.array([8, 10, 6], jnp.int32)
     ids: dict[str, Any] = dict(
-        row_id=jnp.arange(n), example_id=jnp.arange(n) // 12, num_examples=2
+        row_id=jnp.arange(n), example_id=jnp.arange(n) // 12, num_examples=B
     )
 
     def f(x, w, g):
@@ -230,19 +234,29 @@ def test_jaxpr_int8_ragged_gemms(policy):
         )
         return pull(g)
 
-    eqns = [
-        e
-        for e in iter_eqns(jax.make_jaxpr(f)(*args).jaxpr)
-        if e.primitive.name == "ragged_dot_general"
-    ]
-    assert len(eqns) == 3  # forward, dX, dW
-    for e in eqns:
+    all_eqns = list(iter_eqns(jax.make_jaxpr(f)(*args).jaxpr))
+    eqns = [e for e in all_eqns if e.primitive.name == "ragged_dot_general"]
+    shape = lambda v: v.aval.shape  # pyright: ignore
+    layer = {(n, D): "forward", (n, H): "dx", (E, H, D): "dw"}
+    gemms = {layer[shape(e.outvars[0])]: e for e in eqns if shape(e.outvars[0]) in layer}
+    assert sorted(gemms) == ["dw", "dx", "forward"]
+    for e in gemms.values():
         assert [v.aval.dtype for v in e.invars[:2]] == [jnp.int8, jnp.int8]  # pyright: ignore
         assert e.params["preferred_element_type"] == jnp.int32
         assert e.outvars[0].aval.dtype == jnp.int32  # pyright: ignore
     if policy.topology.quantizes_once():
-        fwd, dx, dw = eqns
-        assert dx.invars[0] is dw.invars[1]  # one int8 gradient for both GEMMs
+        assert gemms["dx"].invars[0] is gemms["dw"].invars[1]  # one int8 gradient for both
+    statistics = [e for e in eqns if e not in gemms.values()]
+    if isinstance(policy.correction, NoEC):
+        assert statistics == []
+    for e in statistics:
+        dn = e.params["ragged_dot_dimension_numbers"]
+        assert list(dn.lhs_ragged_dimensions) == [0] and not dn.rhs_group_dimensions
+        thin = max(B, EPS_DIGITS)  # the example one-hot, or the digits of the token means
+        assert min(shape(v)[1] if len(shape(v)) == 2 else 1 for v in e.invars[:2]) <= thin
+    for e in all_eqns:
+        if e.primitive.name.startswith("scatter"):
+            assert len(shape(e.invars[0])) <= 1  # e.g. the row counts of jnp.repeat
 
 
 def test_dw_contraction_past_int32_range():

@@ -397,6 +397,57 @@ def test_tiny_and_huge_operands_match_float(policy, getkey):
         assert raised == [True, True]
 
 
+@pytest.mark.parametrize(
+    "name", [pytest.param("s3r", marks=pytest.mark.slow), pytest.param("s3r-ec-2way")]
+)
+def test_qragged_dot_tiny_token_and_channel(name, getkey):
+    """`qragged_dot` with one token (row) of x at max|x| = 1e-36 and one output channel of one
+    expert at max|w| = 1e-37 (plain scales below the smallest normal float32): without error
+    correction the gradients stay finite and as close to the float ones as on the unscaled
+    problem (at most 1.5 times its relative error); `TwoWayEC`, whose terms spread the rounding
+    error of the other rows (channels) of a segment over the tiny one, raises the backward's
+    overflow error instead of returning a non-finite gradient."""
+    policy = PRESETS[name]
+    assert policy is not None
+    x, w, gs, g, row_id, example_id, n_ex = _ragged(getkey())
+    run = _ragged_vjp(policy, gs, row_id, example_id, n_ex)
+    key = getkey()
+    starts = np.cumsum(np.asarray(gs)) - np.asarray(gs)
+
+    def float_vjp(x, w, g):
+        x, w, g = (np.asarray(a, np.float64) for a in (x, w, g))
+        e = np.repeat(np.arange(len(starts)), np.asarray(gs))
+        y = np.einsum("nh,nhd->nd", x, w[e])
+        dx = np.einsum("nd,nhd->nh", g, w[e])
+        dw = np.stack([x[e == k].T @ g[e == k] for k in range(len(starts))])
+        return y, dx, dw
+
+    clean = [_rel(a, b) for a, b in zip(run(x, w, g, key), float_vjp(x, w, g))]
+    r = int(starts[1]) + 3  # a row of expert 1: y of that row, and dW
+    xt = x.at[r].set(x[r] / jnp.max(jnp.abs(x[r])) * 1e-36)
+    fy, _, fdw = float_vjp(xt, w, g)
+    raised = [
+        _close_or_overflow(
+            policy,
+            lambda: (lambda out: (out[0][r], out[2]))(run(xt, w, g, key)),
+            (fy[r], fdw),
+            (1.5 * clean[0], 1.5 * clean[2]),
+        )
+    ]
+    rows = slice(int(starts[2]), int(starts[3]))  # output channel 5 of expert 2, and dX
+    wt = w.at[2, :, 5].set(w[2, :, 5] / jnp.max(jnp.abs(w[2, :, 5])) * 1e-37)
+    fy, fdx, _ = float_vjp(x, wt, g)
+    raised.append(
+        _close_or_overflow(
+            policy,
+            lambda: (lambda out: (out[0][rows, 5], out[1]))(run(x, wt, g, key)),
+            (fy[rows, 5], fdx),
+            (1.5 * clean[0], 1.5 * clean[1]),
+        )
+    )
+    assert raised == ([True, True] if isinstance(policy.correction, TwoWayEC) else [False, False])
+
+
 def test_unrepresentable_scales_raise(getkey):
     """Scales float32 cannot hold next to each other raise a clear error: a token (or an
     output channel) more than 2**146 below the largest, and a gradient that is nonzero only

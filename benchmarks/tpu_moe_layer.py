@@ -1,0 +1,184 @@
+"""Compile one MoE expert GEMM (`qragged_dot` forward + backward) for TPU v5p and report its
+memory and the largest buffers the backward writes.
+
+The expert GEMMs of Qwen3-30B-A3B (128 experts, top-8, `d_model` 2048, `d_expert` 768):
+`up` is the gate/up GEMM `(n, 2048) @ w (128, 2048, 768)`, `down` the down projection
+`(n, 768) @ w (128, 768, 2048)`, with 4 x 4096 tokens per chip (n = 131072 rows per chip),
+the rows of every chip routed to the top-8 of random logits and sorted by expert, bf16
+activations and upstream gradient, float32 weights, compiled ahead of time for the 4 chips of
+v5p 2x2x1 (no TPU is used; needs libtpu, `pip install "s3req[tpu]"`). Two layouts:
+
+- `shard_map` (default): each chip holds its own rows inside `jax.shard_map`
+  (`ShardAxes(batch="data")`; the error-correction sums over `(example, expert)` segments are
+  `psum`med over the chips);
+- `jit`: the rows sharded over the chips by `jax.jit` (`NamedSharding`), one global
+  `group_sizes`, as the Table IV step compiles the MoE block.
+
+Per policy: XLA's `temporaries` and `peak` (MiB per chip) and, with `--buffers K`, the `K`
+largest buffers of the optimized HLO outside fusions (shape, dtype, the JAX op that made
+them).
+
+    python benchmarks/tpu_moe_layer.py                        # up and down, shard_map
+    python benchmarks/tpu_moe_layer.py --gemms up --policies rtne,s3r-ec-2way --buffers 12
+    python benchmarks/tpu_moe_layer.py --smoke                # small shapes (a test)
+"""
+
+import argparse
+import json
+import pathlib
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from policies import PRESETS  # noqa: E402
+from s3req import qragged_dot, ShardAxes  # noqa: E402
+from s3req.tpu import compile_for_tpu, tpu_mesh  # noqa: E402
+
+
+TOPOLOGY = "v5p:2x2x1"
+POLICIES = ("rtne", "s3r", "s3r-ec-dx", "s3r-ec-2way")
+EXPERTS, TOP_K, D_MODEL, D_EXPERT = 128, 8, 2048, 768  # Qwen3-30B-A3B
+PER_CHIP, SEQ = 4, 4096  # sequences per chip, tokens per sequence
+GEMMS = {"up": (D_MODEL, D_EXPERT), "down": (D_EXPERT, D_MODEL)}
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2}
+_DTYPE_BYTES |= {"s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def compile_gemm(
+    policy_name: str, mesh, h: int, d: int, per_chip: int, seq: int, experts: int, mode: str
+):
+    """The `TPUProgram` of `qragged_dot` fwd + bwd on `per_chip * seq * TOP_K` rows per chip."""
+    policy = PRESETS[policy_name]
+    chips = mesh.devices.size
+    n = per_chip * seq * TOP_K  # rows per chip
+    B = per_chip * chips
+    key = jax.ShapeDtypeStruct((), jr.key(0).dtype)
+    rows = NamedSharding(mesh, P("data"))
+    x = jax.ShapeDtypeStruct((n * chips, h), jnp.bfloat16, sharding=rows)
+    g = jax.ShapeDtypeStruct((n * chips, d), jnp.bfloat16, sharding=rows)
+    w = jax.ShapeDtypeStruct((experts, h, d), jnp.float32)
+    ids = jax.ShapeDtypeStruct((n * chips,), jnp.int32, sharding=rows)
+
+    def fwd_bwd(x, w, g, gs, row_id, key, axes=None):
+        def f(x, w):
+            return qragged_dot(
+                x,
+                w,
+                gs,
+                policy=policy,
+                key=key,
+                row_id=row_id,
+                example_id=row_id // (seq * TOP_K),
+                num_examples=B,
+                axes=axes,
+            )
+
+        y, vjp = jax.vjp(f, x, w)
+        return y, vjp(g)
+
+    if mode == "jit":
+        gs = jax.ShapeDtypeStruct((experts,), jnp.int32)
+        return compile_for_tpu(fwd_bwd, x, w, g, gs, ids, key, mesh=mesh, upstream=[g])
+    gs = jax.ShapeDtypeStruct((experts * chips,), jnp.int32, sharding=rows)
+    axes = ShardAxes(batch="data")
+    d_ = P("data")
+    inner = jax.shard_map(
+        lambda x, w, g, gs, r, k: fwd_bwd(x, w, g, gs, r, k, axes),
+        mesh=mesh,
+        in_specs=(d_, P(), d_, d_, d_, P()),
+        out_specs=(d_, (d_, P())),
+    )
+    return compile_for_tpu(inner, x, w, g, gs, ids, key, mesh=mesh, upstream=[g])
+
+
+def largest_buffers(hlo: str, k: int) -> list[dict]:
+    """The `k` largest arrays produced by instructions of the entry computation (and of
+    non-fusion computations it calls, e.g. loop bodies), with their JAX `op_name`."""
+    out = []
+    fused = set(re.findall(r"calls=(%?[\w.\-]+)", hlo))
+    comp = None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?(%?[\w.\-]+) ", line)
+        if head and line.rstrip().endswith("{"):
+            comp = head.group(1)
+            continue
+        if comp in fused:
+            continue
+        m = re.match(r"\s*(?:ROOT )?(%?[\w.\-]+) = (\w+)\[([\d,]*)\]", line)
+        if not m:
+            continue
+        name, dtype, dims = m.groups()
+        if dtype not in _DTYPE_BYTES or re.search(r"\} (bitcast|get-tuple-element)\(", line):
+            continue
+        size = _DTYPE_BYTES[dtype]
+        for v in filter(None, dims.split(",")):
+            size *= int(v)
+        op = re.search(r'op_name="([^"]*)"', line)
+        opcode = re.search(r"\](?:\{[^}]*\})? ([\w\-]+)\(", line)
+        out.append(
+            {
+                "mib": size / 2**20,
+                "type": f"{dtype}[{dims}]",
+                "name": name,
+                "opcode": opcode.group(1) if opcode else "?",
+                "op_name": op.group(1)[-110:] if op else "",
+            }
+        )
+    out.sort(key=lambda r: -r["mib"])
+    return out[:k]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--gemms", default="up,down")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--mode", choices=("shard_map", "jit"), default="shard_map")
+    ap.add_argument("--buffers", type=int, default=0, help="list the K largest buffers")
+    ap.add_argument("--smoke", action="store_true", help="small shapes (a test of the script)")
+    ap.add_argument("--hlo", default="", help="write each optimized HLO under this folder")
+    ap.add_argument("--json", default="", help="write the results to this file")
+    args = ap.parse_args(argv)
+    mesh = tpu_mesh(topology=TOPOLOGY)
+    per_chip, seq, experts = (1, 256, 16) if args.smoke else (PER_CHIP, SEQ, EXPERTS)
+    results = {}
+    for gemm in args.gemms.split(","):
+        h, d = (256, 128) if args.smoke else GEMMS[gemm]
+        for p in args.policies.split(","):
+            prog = compile_gemm(p, mesh, h, d, per_chip, seq, experts, args.mode)
+            m = prog.memory
+            row = {
+                "temporaries_mib": m.temporaries / 2**20,
+                "peak_mib": m.peak / 2**20,
+                "fusions": prog.fusions,
+                "integer_gemms": len(prog.integer_gemms()),
+                "compile_s": prog.compile_seconds,
+            }
+            results[f"{gemm}/{p}"] = row
+            print(
+                f"{gemm:5s} {p:12s} temporaries {row['temporaries_mib']:9.1f} MiB  "
+                f"peak {row['peak_mib']:9.1f} MiB  fusions {prog.fusions:4d}  "
+                f"int GEMMs {row['integer_gemms']}  ({prog.compile_seconds:.0f} s)",
+                flush=True,
+            )
+            if args.hlo:
+                folder = pathlib.Path(args.hlo)
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / f"{gemm}_{p}_{args.mode}.hlo").write_text(prog.hlo)
+            for b in largest_buffers(prog.hlo, args.buffers):
+                print(f"    {b['mib']:8.1f} MiB {b['type']:22s} {b['opcode']:14s} {b['op_name']}")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
