@@ -343,3 +343,13 @@ def test_pages_check_targets_on_temporaries_and_peak():
     assert "+1.000 GB (Qwen3-30B-A3B, 2.0x)" in total and "2x: within it" in total
     assert "+0.300 GB (Llama 3.1-8B) (target and paper: at most +0.4 GB: within it" in peak
     assert "+0.700 GB (Qwen3-30B-A3B, 2.3x)" in peak and "above it for Qwen3-30B-A3B" in peak
+
+    # Rows of a superseded engine are removed and named on the page until recompiled.
+    for r in moe.values():
+        r["commit"] = "1111111"
+    t4 = tc._drop_rows(t4, {"1111111"}, ["table4"])
+    assert set(t4["models"]) == {"Llama 3.1-8B"}
+    assert (
+        "superseded engine (to be recompiled): `1111111`: Qwen3-30B-A3B s3r, "
+        "Qwen3-30B-A3B s3r-ec-2way." in tc.markdown_table4(t4)
+    )
