@@ -8,9 +8,10 @@ and the sums over the rows of a *segment*, the unit the error correction average
 example of a dense layer, an `(example, expert)` segment of an expert GEMM). `forward` and
 `backward` are written once against them, for every topology, format and correction.
 
-This is the reference path: plain reductions and float32 products. The dense layer's
-statistics have an XLA:CPU kernel in `_kernels.py`, chosen per backend when the program is
-lowered (`jax.lax.platform_dependent`).
+This is the reference path: plain reductions and float32 products. Backend kernels compute
+some of the same quantities in forms one compiler handles better (`_kernels_cpu.py` for
+XLA:CPU); a layer chooses them per backend when the program is lowered
+(`jax.lax.platform_dependent`, see `_per_backend`).
 """
 
 import abc
@@ -25,9 +26,9 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int, Int8, PRNGKeyArray, Shaped
 
-from . import _kernels
+from . import _kernels_cpu
 from ._interfaces import AbstractErrorTerms, AbstractPolicy
-from ._kernels import check_sum_terms
+from ._kernels_cpu import check_sum_terms
 from ._quantize import (
     finite_absmax,
     normalizing_shift,
@@ -52,20 +53,24 @@ MAX_TERMS = (2**31 - 1) // (QMAX * QMAX)
 DW_CHUNK = 2**17
 """Tokens per int32 partial sum when the dW contraction exceeds `MAX_TERMS`."""
 
-KERNELS: Literal["auto", "reference", "cpu"] = "auto"
-"""Which implementation of the dense layer's statistics is traced: `"auto"` chooses per
-backend when lowering (the CPU kernel on CPU, the reference elsewhere); the other two force
-one (for tests that compare them)."""
+KERNELS: Literal["auto", "reference", "cpu", "tpu"] = "auto"
+"""Which implementations are traced: `"auto"` chooses per backend when lowering (a backend's
+kernel where the layer has one, the reference elsewhere); the others force the reference or
+one backend's kernels on every backend (for tests that compare them)."""
 
 
-def _per_backend(reference: Callable, cpu: Callable, *args) -> typing.Any:
-    """`reference(*args)`, or `cpu(*args)` in programs lowered for the CPU (see `KERNELS`);
-    both return the same pytree of arrays."""
-    if KERNELS == "reference":
+def _per_backend(
+    reference: Callable, *args, cpu: Callable | None = None, tpu: Callable | None = None
+) -> typing.Any:
+    """`reference(*args)`, or `cpu(*args)` / `tpu(*args)` in programs lowered for that
+    backend (see `KERNELS`); all return the same pytree of arrays."""
+    kernels = {"cpu": cpu, "tpu": tpu}
+    if KERNELS != "auto":
+        return (kernels[KERNELS] or reference)(*args) if KERNELS in kernels else reference(*args)
+    branches = {name: k for name, k in kernels.items() if k is not None}
+    if not branches:
         return reference(*args)
-    if KERNELS == "cpu":
-        return cpu(*args)
-    return jax.lax.platform_dependent(*args, cpu=cpu, default=reference)
+    return jax.lax.platform_dependent(*args, default=reference, **branches)
 
 
 # --- GEMMs --------------------------------------------------------------------------------
@@ -271,7 +276,7 @@ class Dense(AbstractLayer):
         return 1 if self.transposed else 0
 
     def per_backend(self, reference, cpu):
-        return _per_backend(lambda r, c: r, lambda r, c: c, reference, cpu)
+        return _per_backend(lambda r, c: r, reference, cpu, cpu=lambda r, c: c)
 
     def weight_absmax(self, w):
         return finite_absmax(w, axis=self._h_axis, keepdims=True)
@@ -286,10 +291,10 @@ class Dense(AbstractLayer):
         sw = sw.reshape(-1)
         return _per_backend(
             lambda g, sx, sw: sx * g.astype(_F32) * sw[None, None, :],
-            _kernels.fold_scales,
             g,
             sx,
             sw,
+            cpu=_kernels_cpu.fold_scales,
         )
 
     def layout(self, gp):
@@ -307,12 +312,12 @@ class Dense(AbstractLayer):
         return dw.T if self.transposed else dw  # in the weight's layout, inside the rescaling
 
     def row_sums(self, v):
-        return _per_backend(lambda v: _sum(v, 2), lambda v: _kernels.sums(v, 2), v)
+        return _per_backend(lambda v: _sum(v, 2), v, cpu=lambda v: _kernels_cpu.sums(v, 2))
 
     def segment_sums(self, v):
         if v.ndim == 2:  # per-row values, e.g. eps
             return jnp.sum(v, axis=1)
-        return _per_backend(lambda v: _sum(v, 1), lambda v: _kernels.sums(v, 1), v)
+        return _per_backend(lambda v: _sum(v, 1), v, cpu=lambda v: _kernels_cpu.sums(v, 1))
 
     def segment_tokens(self, gp):
         return gp.shape[1] * self.axes.size("seq")
@@ -321,30 +326,30 @@ class Dense(AbstractLayer):
         d_axis = 1 - self._h_axis
         return _per_backend(
             lambda wq: _sum(wq, d_axis)[None, None, :],
-            lambda wq: _kernels.weight_row_sums(wq, d_axis),
             wq,
+            cpu=lambda wq: _kernels_cpu.weight_row_sums(wq, d_axis),
         )
 
     def channel_dx(self, am, wq):
         d_axis = 1 - self._h_axis
         return _per_backend(
             lambda am, wq: _dot(am, wq, ((1,), (d_axis,)))[:, None, :],
-            lambda am, wq: _kernels.channel_dx(am, wq, d_axis),
             am,
             wq,
+            cpu=lambda am, wq: _kernels_cpu.channel_dx(am, wq, d_axis),
         )
 
     def token_dw(self, xq, eps):
         return _per_backend(
             lambda xq, eps: _dot(eps, xq, ((0, 1), (0, 1)))[:, None],
-            _kernels.token_dw,
             xq,
             eps,
+            cpu=_kernels_cpu.token_dw,
         )
 
     def channel_dw(self, xsum, am):
         return _per_backend(
-            lambda xsum, am: _dot(xsum, am, ((0,), (0,))), _kernels.channel_dw, xsum, am
+            lambda xsum, am: _dot(xsum, am, ((0,), (0,))), xsum, am, cpu=_kernels_cpu.channel_dw
         )
 
 

@@ -1,6 +1,6 @@
 """The XLA:CPU kernel of the dense layer's statistics against the reference path.
 
-Both compute the same maths (`s3req/_backward.py`); the CPU kernel (`s3req/_kernels.py`)
+Both compute the same maths (`s3req/_backward.py`); the CPU kernel (`s3req/_kernels_cpu.py`)
 writes the sums of the codes as thin int8 GEMMs (exact), the sums of `G'` as mat-vecs and
 the error-correction products with `Wq` and `Xq` as int8 GEMMs on base-128 digits. So:
 without error correction they are the same arithmetic and agree bit for bit; with it, the
@@ -23,7 +23,7 @@ import pytest
 import s3req._backward as backward
 from policies import MXFP4, NoEC, Phi2D, Policy, TwoWayEC
 from s3req import qdot
-from s3req._kernels import code_sums, SUM_ALIGN
+from s3req._kernels_cpu import code_sums, SUM_ALIGN
 from s3req._qdot import qdot_t
 
 from .helpers import ALL_POLICIES, policy_id

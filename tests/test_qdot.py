@@ -28,7 +28,7 @@ from s3req import (
     round_to_int8,
 )
 from s3req._backward import _token_contraction
-from s3req._kernels import code_sums, DIGITS, digits_dot, DOT_SUM_MAX, float_sums, SUM_ALIGN
+from s3req._kernels_cpu import code_sums, DIGITS, digits_dot, DOT_SUM_MAX, float_sums, SUM_ALIGN
 from s3req._qdot import qdot_t
 from s3req._quantize import QMAX
 
