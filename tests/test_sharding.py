@@ -247,7 +247,12 @@ RAGGED_LAYOUTS = {
 @pytest.mark.parametrize("layout", list(RAGGED_LAYOUTS))
 @pytest.mark.parametrize(
     "policy",
-    [Policy(Phi2D(), TwoWayEC()), Policy(PhiBcast(), TwoWayEC()), Policy(Independent())],
+    [
+        Policy(Phi2D(), TwoWayEC()),
+        # -m slow: the Phi2D case covers the sharded EC sums, Independent the row keys
+        pytest.param(Policy(PhiBcast(), TwoWayEC()), marks=pytest.mark.slow),
+        Policy(Independent()),
+    ],
     ids=policy_id,
 )
 def test_qragged_dot_inside_shard_map(layout, policy, getkey):
