@@ -21,8 +21,9 @@ def finite_absmax(
     holds a NaN or an Inf.
 
     XLA CPU's max reduction can drop a NaN (openxla/xla#21461), but no max drops an Inf: the
-    NaNs are found by their own `isnan` reduction (an `or`, which XLA fuses with the max: one
-    pass over `x`), so a finiteness test of the result checks every element on every backend.
+    NaNs are found by their own `isnan` reduction (an `or` beside the max; XLA:CPU runs it as
+    a second pass over `x`), so a finiteness test of the result checks every element on every
+    backend.
     (Replacing each NaN by `+inf` inside the max, or testing `isnan` of `|x|` rather than of
     `x`, changes how XLA CPU fuses the backward: EC then holds a float32 copy of `G'` across
     the GEMMs, see `tests/test_qdot.py::test_ec_temporary_memory`.)
