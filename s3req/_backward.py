@@ -8,10 +8,11 @@ and the sums over the rows of a *segment*, the unit the error correction average
 example of a dense layer, an `(example, expert)` segment of an expert GEMM). `forward` and
 `backward` are written once against them, for every topology, format and correction.
 
-This is the reference path: plain reductions and float32 products. Backend kernels compute
-some of the same quantities in forms one compiler handles better (`_kernels_cpu.py` for
-XLA:CPU); a layer chooses them per backend when the program is lowered
-(`jax.lax.platform_dependent`, see `_per_backend`).
+This is the reference path: plain reductions, segment sums and float32 products. Backend
+kernels compute some of the same quantities in forms one compiler handles better
+(`_kernels_cpu.py` for XLA:CPU, `_kernels_tpu.py` for XLA:TPU); a layer chooses them per
+backend when the program is lowered (`jax.lax.platform_dependent`, see `_per_backend`). The
+integer GEMMs themselves are shared (`_gemms.py`).
 """
 
 import abc
@@ -24,11 +25,20 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import Array, Float, Int, Int8, PRNGKeyArray, Shaped
+from jaxtyping import Array, Int, PRNGKeyArray
 
-from . import _kernels_cpu
+from . import _kernels_cpu, _kernels_tpu
+from ._gemms import (
+    check_sum_terms,
+    dot as _dot,
+    DW_CHUNK as DW_CHUNK,
+    HIGHEST as _HIGHEST,
+    MAX_TERMS as MAX_TERMS,
+    ragged as _ragged,
+    ragged_token_contraction as _ragged_token_contraction,
+    token_contraction as _token_contraction,
+)
 from ._interfaces import AbstractErrorTerms, AbstractPolicy
-from ._kernels_cpu import check_sum_terms
 from ._quantize import (
     finite_absmax,
     normalizing_shift,
@@ -45,13 +55,6 @@ from ._thresholds import Layout, Rows
 
 _F32 = jnp.float32
 _I32 = jnp.int32
-_HIGHEST = jax.lax.Precision.HIGHEST  # float32 products (TPU's default rounds them to bf16)
-
-MAX_TERMS = (2**31 - 1) // (QMAX * QMAX)
-"""Most int8 x int8 products an int32 accumulator can sum without overflow (133143)."""
-
-DW_CHUNK = 2**17
-"""Tokens per int32 partial sum when the dW contraction exceeds `MAX_TERMS`."""
 
 KERNELS: Literal["auto", "reference", "cpu", "tpu"] = "auto"
 """Which implementations are traced: `"auto"` chooses per backend when lowering (a backend's
@@ -73,96 +76,7 @@ def _per_backend(
     return jax.lax.platform_dependent(*args, default=reference, **branches)
 
 
-# --- GEMMs --------------------------------------------------------------------------------
-
-
-def _dot(a: Array, b: Array, contract: tuple, batch: tuple = ((), ())) -> Array:
-    """`dot_general` of codes as their dtypes say: int8 x int8 with int32 sums (exact), else
-    float32 (an int8 operand converted)."""
-    if a.dtype == b.dtype == jnp.int8:
-        return jax.lax.dot_general(a, b, (contract, batch), preferred_element_type=_I32)
-    return jax.lax.dot_general(a.astype(_F32), b.astype(_F32), (contract, batch))
-
-
-def _split_sum(parts: Int[Array, "k ..."]) -> Float[Array, "..."]:
-    """The sum over the first axis of int32 partial sums, exact: their high and low 16-bit
-    parts are summed in int32, and `hi * 2**16 + lo` is rounded once to float32."""
-    hi = jnp.sum(parts >> 16, axis=0)
-    lo = jnp.sum(parts & 0xFFFF, axis=0)
-    return hi.astype(_F32) * 65536.0 + lo.astype(_F32)
-
-
-def _token_contraction(xq: Int8[Array, "b s h"], q: Shaped[Array, "b s d"]) -> Float[Array, "h d"]:
-    """`Xq^T Q` summed over batch and tokens. For int8 codes past `MAX_TERMS` tokens, an int32
-    accumulator could overflow: the tokens are cut into chunks of `DW_CHUNK` and the chunks'
-    int32 partial sums added exactly (`_split_sum`)."""
-    B, S, H = xq.shape
-    D = q.shape[-1]
-    n = B * S
-    if q.dtype != jnp.int8 or n <= MAX_TERMS:
-        return _dot(xq, q, ((0, 1), (0, 1))).astype(_F32)
-    k = -(-n // DW_CHUNK)
-    pad = k * DW_CHUNK - n
-    xc = jnp.pad(xq.reshape(n, H), ((0, pad), (0, 0))).reshape(k, DW_CHUNK, H)
-    qc = jnp.pad(q.reshape(n, D), ((0, pad), (0, 0))).reshape(k, DW_CHUNK, D)
-    return _split_sum(_dot(xc, qc, ((1,), (1,)), ((0,), (0,))))
-
-
-def _ragged(lhs: Array, rhs: Array, group_sizes: Array, dims, rhs_group: bool) -> Array:
-    """`ragged_dot_general` with the rows of `lhs` grouped by `group_sizes`: against the
-    expert's slice of `rhs` (`rhs_group`), or contracting the rows of each group (dW)."""
-    dn = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(dims, ((), ())),
-        lhs_ragged_dimensions=[0],
-        rhs_group_dimensions=[0] if rhs_group else [],
-    )
-    if lhs.dtype == rhs.dtype == jnp.int8:
-        return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dn, preferred_element_type=_I32)
-    return jax.lax.ragged_dot_general(
-        lhs.astype(_F32), rhs.astype(_F32), group_sizes, dn, precision=_HIGHEST
-    )
-
-
-def _ragged_token_contraction(
-    xq: Int8[Array, "n h"], q: Shaped[Array, "n d"], group_sizes: Int[Array, " e"]
-) -> Float[Array, "e h d"]:
-    """`Xq_e^T Q_e` for every expert; past `MAX_TERMS` rows of int8 codes the rows are cut
-    into chunks of `DW_CHUNK` (each group clipped to the chunk) summed exactly."""
-    n = xq.shape[0]
-    if q.dtype != jnp.int8 or n <= MAX_TERMS:
-        return _ragged(xq, q, group_sizes, ((0,), (0,)), False).astype(_F32)
-    ends = jnp.cumsum(group_sizes)
-    starts = ends - group_sizes
-    parts = []
-    for lo in range(0, n, DW_CHUNK):
-        hi = min(lo + DW_CHUNK, n)
-        sizes = jnp.clip(jnp.minimum(ends, hi) - jnp.maximum(starts, lo), 0)
-        parts.append(
-            _ragged(xq[lo:hi], q[lo:hi], sizes.astype(group_sizes.dtype), ((0,), (0,)), False)
-        )
-    return _split_sum(jnp.stack(parts))
-
-
-EPS_DIGITS = 4
-"""Signed base-128 digits of the token means in `_int8_digits`."""
-
-
-def _int8_digits(v: Float[Array, " n"]) -> tuple[Int8[Array, "n k"], Float[Array, " k"]]:
-    """`v` as `EPS_DIGITS` int8 digits per element and their float32 weights,
-    `v ~ digits @ weights`: `v / max|v|` is rounded to a multiple of `2**-24` and written in
-    signed base 128 (digits in [-64, 64]), so the error is at most `2**-24 |v| + 2**-25
-    max|v|` (float32 precision), and a contraction of int8 codes with the digits is exact in
-    int32 (`_ragged_token_contraction`)."""
-    amax = jnp.max(jnp.abs(v), initial=0.0)
-    unit = jnp.where(amax > 0, amax, 1.0) * 2.0**-24
-    rest = jnp.round(v / unit)
-    digits = []
-    for _ in range(EPS_DIGITS):
-        d = rest - 128.0 * jnp.round(rest / 128.0)
-        digits.append(d)
-        rest = (rest - d) / 128.0
-    weights = unit * 128.0 ** jnp.arange(EPS_DIGITS, dtype=_F32)
-    return jnp.stack(digits, axis=1).astype(jnp.int8), weights
+# --- sums (the GEMMs are in `_gemms.py`) ---------------------------------------------------
 
 
 def _sum(v: Array, axis: int) -> Array:
@@ -171,6 +85,15 @@ def _sum(v: Array, axis: int) -> Array:
         return jnp.sum(v, axis=axis, dtype=_F32)
     check_sum_terms(v.shape[axis])
     return jnp.sum(v, axis=axis, dtype=_I32).astype(_F32)
+
+
+def _segment_sum(v: Array, segment: Array, segments: int) -> Array:
+    """Sums of the rows of `v` with the same `segment` id, `(segments, *rest)`, as float32
+    (int8 codes summed exactly in int32)."""
+    if v.dtype == jnp.int8:
+        check_sum_terms(v.shape[0])
+        v = v.astype(_I32)
+    return jax.ops.segment_sum(v, segment, segments).astype(_F32)
 
 
 # --- the two layer kinds --------------------------------------------------------------------
@@ -360,6 +283,9 @@ class Ragged(AbstractLayer):
 
     Inside `jax.shard_map` the `batch`/`seq` roles split the rows (each shard holds its own
     rows, `group_sizes`, and their global ids), `d_in` and `d_out` the features.
+
+    The segment sums and `Xq_e^T eps_e` are `jax.ops.segment_sum`s here; on TPU they run as
+    ragged contractions (`_kernels_tpu.py`).
     """
 
     group_sizes: Int[Array, " e"]
@@ -417,21 +343,14 @@ class Ragged(AbstractLayer):
     def row_sums(self, v):
         return _sum(v, 1)
 
-    def _examples(self, dtype) -> Array:
-        """The one-hot `(n, examples)` matrix of every row's example."""
-        B = self.num_examples
-        return (self.example_id[:, None] == jnp.arange(B, dtype=_I32)[None, :]).astype(dtype)
-
     def segment_sums(self, v):
-        # Per expert, the rows contracted with the one-hot of their example: a ragged GEMM
-        # whose operands XLA computes inside it (a scatter-add would write `v` to memory).
-        if v.dtype == jnp.int8:
-            check_sum_terms(v.shape[0])
-        rows = v.reshape(v.shape[0], -1)
-        lhs = self._examples(jnp.int8 if v.dtype == jnp.int8 else _F32)
-        sums = _ragged(lhs, rows, self.group_sizes, ((0,), (0,)), False)  # (E, B, c)
-        sums = jnp.swapaxes(sums, 0, 1).reshape(self._segments, *v.shape[1:])
-        return sums.astype(_F32)
+        segment, segments = self._segment, self._segments
+        B, example, gs = self.num_examples, self.example_id, self.group_sizes
+        return _per_backend(
+            lambda v: _segment_sum(v, segment, segments),
+            v,
+            tpu=lambda v: _kernels_tpu.segment_sums(v, example, B, gs),
+        )
 
     def segment_tokens(self, gp):
         count = self.axes.psum(
@@ -450,11 +369,13 @@ class Ragged(AbstractLayer):
         return per_segment.reshape(B * E, -1)[self._segment]
 
     def token_dw(self, xq, eps):
-        # An int8 ragged contraction of the rows of Xq with the digits of eps (in float32,
-        # XLA TPU writes the converted Xq to memory, a float32 copy of the activations).
-        digits, weights = _int8_digits(eps)
-        parts = _ragged_token_contraction(xq, digits, self.group_sizes)  # (E, h, digits)
-        return jnp.sum(parts * weights[None, None, :], axis=2, keepdims=True)
+        expert, E, gs = self._expert, self._experts, self.group_sizes
+        return _per_backend(
+            lambda xq, eps: _segment_sum(xq.astype(_F32) * eps[:, None], expert, E)[..., None],
+            xq,
+            eps,
+            tpu=lambda xq, eps: _kernels_tpu.token_dw(xq, eps, gs),
+        )
 
     def channel_dw(self, xsum, am):
         B, E = self.num_examples, self._experts

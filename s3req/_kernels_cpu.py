@@ -19,19 +19,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int8
 
+from ._gemms import check_sum_terms
+
 
 _F32 = jnp.float32
 _I32 = jnp.int32
 QMAX = 127
-
-
-def check_sum_terms(n: int) -> None:
-    """The error correction sums `n` int8 codes in int32: raise if that could overflow."""
-    if QMAX * n >= 2**31:
-        raise ValueError(
-            f"s3req: the error correction sums {n} int8 codes per row, which would overflow "
-            "int32; split the sequence into shorter examples."
-        )
 
 
 def _int_dot(a: Array, b: Array, contract: tuple, batch: tuple = ((), ())) -> Array:

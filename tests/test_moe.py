@@ -13,7 +13,7 @@ import pytest
 import policies
 from models import Llama, LlamaConfig, MoE, MoEConfig, sort_by_expert
 from policies import Nearest, Phi2D, Policy, TwoWayEC
-from s3req._backward import EPS_DIGITS
+from s3req._kernels_tpu import EPS_DIGITS
 
 from .helpers import iter_eqns
 from .test_models import _randomize_norms, np_forward, np_params
@@ -165,8 +165,9 @@ def test_moe_ragged_gemms_are_int8(getkey):
     f = lambda d, t, k: jax.grad(lambda d: loss(eqx.combine(d, static), t, k))(d)
     jaxpr = jax.make_jaxpr(f)(dyn, tokens, getkey())
     eqns = [e for e in iter_eqns(jaxpr.jaxpr) if e.primitive.name == "ragged_dot_general"]
-    # Error correction's segment sums and token terms are thin ragged contractions over the
-    # rows (one operand of at most max(batch, EPS_DIGITS) columns): not GEMMs of the layer.
+    # The TPU kernel's error-correction segment sums and token terms (traced beside the
+    # reference) are thin ragged contractions over the rows (one operand of at most
+    # max(batch, EPS_DIGITS) columns): not GEMMs of the layer.
     thin = max(tokens.shape[0], EPS_DIGITS)
     eqns = [e for e in eqns if min(v.aval.shape[-1] for v in e.invars[:2]) > thin]  # pyright: ignore
     assert len(eqns) == 9  # one MoE stack (scanned): 3 GEMMs x (forward, dX, dW)

@@ -1,0 +1,101 @@
+"""The integer GEMMs of the quantized matmul and their overflow bounds.
+
+`dot_general` and `ragged_dot_general` of int8 codes with int32 sums (exact), the token
+contractions of the weight gradient, cut into chunks whose int32 partial sums cannot overflow,
+and the float32 fallbacks for float operands. Shared by the reference path (`_backward.py`)
+and the backend kernels (`_kernels_cpu.py`, `_kernels_tpu.py`).
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, Int8, Shaped
+
+from ._quantize import QMAX
+
+
+_F32 = jnp.float32
+_I32 = jnp.int32
+HIGHEST = jax.lax.Precision.HIGHEST  # float32 products (TPU's default rounds them to bf16)
+
+MAX_TERMS = (2**31 - 1) // (QMAX * QMAX)
+"""Most int8 x int8 products an int32 accumulator can sum without overflow (133143)."""
+
+DW_CHUNK = 2**17
+"""Tokens per int32 partial sum when the dW contraction exceeds `MAX_TERMS`."""
+
+
+def check_sum_terms(n: int) -> None:
+    """The error correction sums `n` int8 codes in int32: raise if that could overflow."""
+    if QMAX * n >= 2**31:
+        raise ValueError(
+            f"s3req: the error correction sums {n} int8 codes per row, which would overflow "
+            "int32; split the sequence into shorter examples."
+        )
+
+
+def dot(a: Array, b: Array, contract: tuple, batch: tuple = ((), ())) -> Array:
+    """`dot_general` of codes as their dtypes say: int8 x int8 with int32 sums (exact), else
+    float32 (an int8 operand converted)."""
+    if a.dtype == b.dtype == jnp.int8:
+        return jax.lax.dot_general(a, b, (contract, batch), preferred_element_type=_I32)
+    return jax.lax.dot_general(a.astype(_F32), b.astype(_F32), (contract, batch))
+
+
+def split_sum(parts: Int[Array, "k ..."]) -> Float[Array, "..."]:
+    """The sum over the first axis of int32 partial sums, exact: their high and low 16-bit
+    parts are summed in int32, and `hi * 2**16 + lo` is rounded once to float32."""
+    hi = jnp.sum(parts >> 16, axis=0)
+    lo = jnp.sum(parts & 0xFFFF, axis=0)
+    return hi.astype(_F32) * 65536.0 + lo.astype(_F32)
+
+
+def token_contraction(xq: Int8[Array, "b s h"], q: Shaped[Array, "b s d"]) -> Float[Array, "h d"]:
+    """`Xq^T Q` summed over batch and tokens. For int8 codes past `MAX_TERMS` tokens, an int32
+    accumulator could overflow: the tokens are cut into chunks of `DW_CHUNK` and the chunks'
+    int32 partial sums added exactly (`split_sum`)."""
+    B, S, H = xq.shape
+    D = q.shape[-1]
+    n = B * S
+    if q.dtype != jnp.int8 or n <= MAX_TERMS:
+        return dot(xq, q, ((0, 1), (0, 1))).astype(_F32)
+    k = -(-n // DW_CHUNK)
+    pad = k * DW_CHUNK - n
+    xc = jnp.pad(xq.reshape(n, H), ((0, pad), (0, 0))).reshape(k, DW_CHUNK, H)
+    qc = jnp.pad(q.reshape(n, D), ((0, pad), (0, 0))).reshape(k, DW_CHUNK, D)
+    return split_sum(dot(xc, qc, ((1,), (1,)), ((0,), (0,))))
+
+
+def ragged(lhs: Array, rhs: Array, group_sizes: Array, dims, rhs_group: bool) -> Array:
+    """`ragged_dot_general` with the rows of `lhs` grouped by `group_sizes`: against the
+    expert's slice of `rhs` (`rhs_group`), or contracting the rows of each group (dW). Int8
+    codes with int32 sums, else float32 products."""
+    dn = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(dims, ((), ())),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[0] if rhs_group else [],
+    )
+    if lhs.dtype == rhs.dtype == jnp.int8:
+        return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dn, preferred_element_type=_I32)
+    return jax.lax.ragged_dot_general(
+        lhs.astype(_F32), rhs.astype(_F32), group_sizes, dn, precision=HIGHEST
+    )
+
+
+def ragged_token_contraction(
+    xq: Int8[Array, "n h"], q: Shaped[Array, "n d"], group_sizes: Int[Array, " e"]
+) -> Float[Array, "e h d"]:
+    """`Xq_e^T Q_e` for every expert; past `MAX_TERMS` rows of int8 codes the rows are cut
+    into chunks of `DW_CHUNK` (each group clipped to the chunk) summed exactly."""
+    n = xq.shape[0]
+    if q.dtype != jnp.int8 or n <= MAX_TERMS:
+        return ragged(xq, q, group_sizes, ((0,), (0,)), False).astype(_F32)
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    parts = []
+    for lo in range(0, n, DW_CHUNK):
+        hi = min(lo + DW_CHUNK, n)
+        sizes = jnp.clip(jnp.minimum(ends, hi) - jnp.maximum(starts, lo), 0)
+        parts.append(
+            ragged(xq[lo:hi], q[lo:hi], sizes.astype(group_sizes.dtype), ((0,), (0,)), False)
+        )
+    return split_sum(jnp.stack(parts))

@@ -1,0 +1,91 @@
+"""The XLA:TPU kernel of the expert GEMM's error-correction statistics.
+
+`_backward.py` holds the reference path, written as the maths: the sums over the rows of
+every `(example, expert)` segment are `jax.ops.segment_sum`s, and `Xq_e^T eps_e` a float32
+product. XLA TPU (v5p) compiles both into buffers of the activations' size:
+
+- it offloads a scatter-add to the SparseCore, which reads its updates from memory, so the
+  segment sums of `Xq` write an int32 `(n, h)` copy of the codes and those of the error `E`
+  a float32 `(n, d)` one;
+- a float32 (or default-precision bf16) product with `Xq` writes the converted `Xq` to
+  memory.
+
+Here the segment sums are ragged contractions of the rows with the one-hot matrix of their
+example (a ragged contracting dimension, int8 x int8 with int32 sums for codes, float32 for
+floats): XLA computes both operands inside the contraction. `Xq_e^T eps_e` is an int8 ragged
+contraction of `Xq` with `EPS_DIGITS` signed base-128 int8 digits of `eps` (`int8_digits`),
+exact in int32, the digits' remainder below float32 precision.
+
+Measured with `benchmarks/tpu_moe_layer.py` (Qwen3-30B-A3B's expert GEMMs, 131072 rows per
+chip inside `shard_map`, v5p 2x2x1), two-way EC over S3R, temporaries: with the reference
+forms +3261 MiB (up) and +2832 MiB (down); with these +1310 and +1836 MiB. On XLA:CPU the
+ragged contractions run masked over all experts, slower than the reference forms, so CPU
+runs the reference. `_backward.Ragged` chooses per backend (`_per_backend`);
+`tests/test_kernels_tpu.py` checks that both give the same gradients.
+
+Every function takes and returns local (per-shard) values: the engine adds the shard sums.
+"""
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, Int8, Shaped
+
+from ._gemms import check_sum_terms, ragged, ragged_token_contraction
+
+
+_F32 = jnp.float32
+_I32 = jnp.int32
+
+
+def _examples(example_id: Int[Array, " n"], num_examples: int, dtype) -> Array:
+    """The one-hot `(n, examples)` matrix of every row's example."""
+    return (example_id[:, None] == jnp.arange(num_examples, dtype=_I32)[None, :]).astype(dtype)
+
+
+def segment_sums(
+    v: Shaped[Array, "n ..."],
+    example_id: Int[Array, " n"],
+    num_examples: int,
+    group_sizes: Int[Array, " e"],
+) -> Float[Array, "segments ..."]:
+    """Sums of the rows of `v` over every `(example, expert)` segment, `example * E +
+    expert`, float32 (int8 codes summed exactly in int32): per expert, the rows contracted
+    with the one-hot of their example."""
+    if v.dtype == jnp.int8:
+        check_sum_terms(v.shape[0])
+    rows = v.reshape(v.shape[0], -1)
+    lhs = _examples(example_id, num_examples, jnp.int8 if v.dtype == jnp.int8 else _F32)
+    sums = ragged(lhs, rows, group_sizes, ((0,), (0,)), False)  # (E, B, c)
+    segments = num_examples * group_sizes.shape[0]
+    return jnp.swapaxes(sums, 0, 1).reshape(segments, *v.shape[1:]).astype(_F32)
+
+
+EPS_DIGITS = 4
+"""Signed base-128 digits of the token means in `int8_digits`."""
+
+
+def int8_digits(v: Float[Array, " n"]) -> tuple[Int8[Array, "n k"], Float[Array, " k"]]:
+    """`v` as `EPS_DIGITS` int8 digits per element and their float32 weights,
+    `v ~ digits @ weights`: `v / max|v|` is rounded to a multiple of `2**-24` and written in
+    signed base 128 (digits in [-64, 64]), so the error is at most `2**-24 |v| + 2**-25
+    max|v|` (float32 precision), and a contraction of int8 codes with the digits is exact in
+    int32 (`ragged_token_contraction`)."""
+    amax = jnp.max(jnp.abs(v), initial=0.0)
+    unit = jnp.where(amax > 0, amax, 1.0) * 2.0**-24
+    rest = jnp.round(v / unit)
+    digits = []
+    for _ in range(EPS_DIGITS):
+        d = rest - 128.0 * jnp.round(rest / 128.0)
+        digits.append(d)
+        rest = (rest - d) / 128.0
+    weights = unit * 128.0 ** jnp.arange(EPS_DIGITS, dtype=_F32)
+    return jnp.stack(digits, axis=1).astype(jnp.int8), weights
+
+
+def token_dw(
+    xq: Int8[Array, "n h"], eps: Float[Array, " n"], group_sizes: Int[Array, " e"]
+) -> Float[Array, "e h 1"]:
+    """`Xq_e^T eps_e` of every expert: the int8 ragged contraction of the rows of `Xq` with
+    the digits of `eps` (exact int32 sums), weighted by the digits' weights."""
+    digits, weights = int8_digits(eps)
+    parts = ragged_token_contraction(xq, digits, group_sizes)  # (E, h, digits)
+    return jnp.sum(parts * weights[None, None, :], axis=2, keepdims=True)

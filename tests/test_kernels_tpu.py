@@ -1,0 +1,200 @@
+"""The XLA:TPU kernel of the expert GEMM's statistics against the reference path.
+
+`KERNELS="tpu"` traces the TPU forms on this CPU (`s3req/_kernels_tpu.py`): segment sums as
+ragged contractions with the one-hot of the examples, `Xq_e^T eps_e` from int8 digits of
+`eps`. Where the statistics are not used (no error correction) or only the row sums are
+(`DxOnlyEC`: `eps` comes from the same row sums in both), the arithmetic is the same and the
+gradients agree bit for bit. Two-way EC differs in two places:
+
+- the segment sums of `E` and of `eps` are float32 sums of the `k` rows of a segment in
+  another order: each is within `(k - 1) 2**-24` of the sum of its terms' magnitudes from
+  the exact sum (here `k <= 8` rows per segment, so below `2**-21`), two orders within
+  twice that;
+- `Xq_e^T eps_e` takes `eps` to within `2**-24 |eps| + 2**-25 max|eps|` (`int8_digits`),
+  against one float32 rounding per product and the same sum bound in the reference.
+
+Each correction term is a product of these statistics with int8 codes (`Wq`, `Xq`), so it
+differs by at most `2**-18` of the same product taken with magnitudes, and the magnitudes of
+the corrections are at most that of the error they remove, at most half a gradient step per
+element: below the gradient's largest entry. So the corrected gradients agree to within
+`2**-18` of their largest entry; the test asserts `2**-16` (a 4x margin for the float32
+rescaling of the sums and the final `1 / s_x`, `1 / s_w`). The measured gap is near
+`2**-25` for dW, and dX agrees bit for bit at this shape.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import s3req._backward as backward
+from policies import DxOnlyEC, NoEC, Phi2D, Policy, TwoWayEC
+from s3req import qragged_dot, ShardAxes
+from s3req._kernels_tpu import EPS_DIGITS, int8_digits
+
+from .helpers import ALL_POLICIES, policy_id
+
+
+B, SEQ, TOP_K, E, H, D = 2, 8, 2, 4, 16, 12
+EMPTY = 2  # an expert no row is routed to
+
+
+def _routing(seed: int, tokens: int) -> np.ndarray:
+    """The experts of every (token, slot), `(tokens * TOP_K,)`: `TOP_K` distinct ones per
+    token, never `EMPTY`."""
+    rng = np.random.default_rng(seed)
+    used = np.array([e for e in range(E) if e != EMPTY])
+    return np.stack([rng.permutation(used)[:TOP_K] for _ in range(tokens)]).reshape(-1)
+
+
+def _operands(seed: int, n: int):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, H), np.float32)
+    w = rng.standard_normal((E, H, D), np.float32)
+    g = rng.standard_normal((n, D)) * np.exp(rng.standard_normal((n, D)))  # spread out
+    return jnp.asarray(x), jnp.asarray(w), jnp.asarray(g, jnp.float32)
+
+
+def _problem(seed: int):
+    """Expert-sorted rows of a random top-2 routing that never picks expert `EMPTY`."""
+    flat = _routing(seed, B * SEQ)
+    order = np.argsort(flat, kind="stable").astype(np.int32)
+    gs = np.bincount(flat, minlength=E).astype(np.int32)
+    x, w, g = _operands(seed, flat.shape[0])
+    return x, w, jnp.asarray(gs), g, jnp.asarray(order), jnp.asarray((order // TOP_K) // SEQ)
+
+
+def _traced(kernels, fn):
+    """`fn` traced with the given statistics kernel (`KERNELS` is read at trace time)."""
+
+    def wrapped(*args):
+        old = backward.KERNELS
+        backward.KERNELS = kernels
+        try:
+            return fn(*args)
+        finally:
+            backward.KERNELS = old
+
+    return wrapped
+
+
+def _vjp(policy, x, w, gs, g, key, row_id, example_id, axes=None):
+    def f(x, w):
+        return qragged_dot(
+            x,
+            w,
+            gs,
+            policy=policy,
+            key=key,
+            row_id=row_id,
+            example_id=example_id,
+            num_examples=B,
+            axes=axes,
+        )
+
+    y, pull = jax.vjp(f, x, w)
+    return (y, *pull(g))
+
+
+def _assert_agree(policy, ref, tpu):
+    name = policy_id(policy)
+    np.testing.assert_array_equal(ref[0], tpu[0], err_msg=name)  # the forward has no kernel
+    for which, a, b in zip(("dX", "dW"), ref[1:], tpu[1:]):
+        a, b = np.asarray(a), np.asarray(b)
+        if isinstance(policy.correction, (NoEC, DxOnlyEC)):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name} {which}")
+        else:
+            gap = np.abs(a - b).max()
+            assert gap <= 2.0**-16 * np.abs(a).max(), (name, which, gap, np.abs(a).max())
+
+
+def _agree(policies, key):
+    """y, dX, dW of `policies`, the reference and the TPU kernel traced into one program
+    (one compile for all of them), with an expert that gets no rows."""
+    x, w, gs, g, row_id, example_id = _problem(0)
+    assert int(gs[EMPTY]) == 0
+
+    def both(x, w, gs, g, key):
+        out = []
+        for p in policies:
+            args = (p, x, w, gs, g, key, row_id, example_id)
+            out.append((_traced("reference", _vjp)(*args), _traced("tpu", _vjp)(*args)))
+        return out
+
+    results = jax.jit(both)(x, w, gs, g, key)
+    for policy, (ref, tpu) in zip(policies, results):
+        _assert_agree(policy, ref, tpu)
+
+
+def test_ragged_tpu_kernel_agrees_with_reference(getkey):
+    """The two corrections whose statistics the kernels compute (the topology only sets the
+    codes; every policy, incl. those that quantize dX and dW apart: the slow test below)."""
+    _agree([Policy(Phi2D(), DxOnlyEC()), Policy(Phi2D(), TwoWayEC())], getkey())
+
+
+@pytest.mark.slow
+def test_ragged_tpu_kernel_agrees_with_reference_every_policy(getkey):
+    _agree(ALL_POLICIES, getkey())
+
+
+@pytest.mark.slow
+def test_ragged_tpu_kernel_agrees_inside_shard_map(getkey):
+    """Two-way EC inside `shard_map`, the rows split over two shards of the batch axis (each
+    shard one example, its own `group_sizes`; the segment sums are added over the shards)."""
+    policy = Policy(Phi2D(), TwoWayEC())
+    flat = _routing(1, B * SEQ)
+    x, w, g = _operands(1, flat.shape[0])
+    key = getkey()
+    # Shard b holds the rows of example b, sorted by expert within the shard.
+    per = flat.shape[0] // B
+    parts = [np.arange(i * per, (i + 1) * per) for i in range(B)]
+    order = np.concatenate([p[np.argsort(flat[p], kind="stable")] for p in parts])
+    gs = np.concatenate([np.bincount(flat[order[p]], minlength=E) for p in parts])
+    order, gs = jnp.asarray(order, jnp.int32), jnp.asarray(gs, jnp.int32)
+    row_id = jnp.arange(flat.shape[0], dtype=jnp.int32)
+    mesh = jax.make_mesh((B,), ("data",), devices=jax.devices()[:B])
+    axes = ShardAxes(batch="data")
+    d, r = P("data"), P()
+
+    def mapped(kernels):
+        fn = _traced(
+            kernels,
+            lambda x, w, g, gs, o, k: _vjp(policy, x, w, gs, g, k, o, o // (SEQ * TOP_K), axes),
+        )
+        return jax.shard_map(fn, mesh=mesh, in_specs=(d, r, d, d, d, r), out_specs=(d, d, r))
+
+    f = jax.jit(lambda *a: (mapped("reference")(*a), mapped("tpu")(*a)))
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    args = (x[order], w, g[order], gs, row_id[order])
+    ref, tpu = f(*[put(a, s) for a, s in zip(args, (d, r, d, d, d))], key)
+    _assert_agree(policy, ref, tpu)
+
+
+@pytest.mark.parametrize("case", ["magnitudes", "zeros"])
+def test_int8_digits_error_bound(case):
+    """`int8_digits` at `n = 131072` (the rows per chip of the TPU benchmark): digits in
+    [-64, 64], and `digits @ weights` (exact in float64) within `2**-24 |v| + 2**-25
+    max|v|` of `v`, for values spanning 2**-120 to 2**40 with zeros among them, and for a
+    vector of zeros (all digits 0)."""
+    n = 131072
+    rng = np.random.default_rng(0)
+    if case == "zeros":
+        v = np.zeros(n, np.float32)
+    else:
+        v = rng.choice([-1.0, 1.0], n) * 2.0 ** rng.uniform(-120, 40, n)
+        v[rng.random(n) < 0.05] = 0.0
+        v[rng.integers(n)] = 2.0**40  # the largest value exactly
+        v = v.astype(np.float32)
+    digits, weights = jax.jit(int8_digits)(v)
+    digits, weights = np.asarray(digits), np.asarray(weights, np.float64)
+    assert digits.shape == (n, EPS_DIGITS) and digits.dtype == np.int8
+    assert np.abs(digits).max() <= 64
+    back = digits.astype(np.float64) @ weights
+    v64 = v.astype(np.float64)
+    bound = 2.0**-24 * np.abs(v64) + 2.0**-25 * np.abs(v64).max()
+    assert np.all(np.abs(back - v64) <= bound)
+    if case == "zeros":
+        assert not digits.any()
+    else:
+        assert np.all(back[v == 0] == 0)
