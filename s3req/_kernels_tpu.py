@@ -17,10 +17,20 @@ contraction of `Xq` with `EPS_DIGITS` signed base-128 int8 digits of `eps` (`int
 exact in int32, the digits' remainder below float32 precision.
 
 Measured with `benchmarks/tpu_moe_layer.py` (Qwen3-30B-A3B's expert GEMMs, 131072 rows per
-chip inside `shard_map`, v5p 2x2x1), two-way EC over S3R, temporaries: with the reference
-forms +3261 MiB (up) and +2832 MiB (down); with these +1310 and +1836 MiB. On XLA:CPU the
-ragged contractions run masked over all experts, slower than the reference forms, so CPU
-runs the reference. `_backward.Ragged` chooses per backend (`_per_backend`);
+chip inside `shard_map`, v5p 2x2x1), two-way EC over S3R in MiB per chip, temporaries / peak:
+
+| forms | up `(n, 2048) @ (128, 2048, 768)` | down `(n, 768) @ (128, 768, 2048)` |
+| --- | --- | --- |
+| reference | +3250 / +1432 | +2845 / +22 |
+| these | +1310 / +1240 | +1836 / +1804 |
+| these segment sums, reference `Xq^T eps` | +3310 / +1448 | +1836 / +1805 |
+| reference segment sums, these `Xq^T eps` | +2941 / +1368 | +2169 / +794 |
+
+Together these forms save the most temporaries at both GEMMs; at the down GEMM (`d = 2048`)
+the ragged contractions of the segment sums raise the peak, which stays open.
+
+On XLA:CPU the ragged contractions run masked over all experts, slower than the reference
+forms, so CPU runs the reference. `_backward.Ragged` chooses per backend (`_per_backend`);
 `tests/test_kernels_tpu.py` checks that both give the same gradients.
 
 Every function takes and returns local (per-shard) values: the engine adds the shard sums.
