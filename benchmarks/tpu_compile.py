@@ -151,8 +151,11 @@ def compile_layer(name: str, mesh, B: int, S: int, H: int, D: int) -> TPUProgram
     return compile_for_tpu(fwd_bwd, x, w, g, key, mesh=mesh, upstream=[g])
 
 
-def compile_ffn(name: str, mesh, h: int, d: int, batch: int, seq: int) -> TPUProgram:
-    """Table III's block (`table3_ffn_speed.fwd_bwd` on `models.FFN`), abstract weights."""
+def compile_ffn(
+    name: str, mesh, h: int, d: int, batch: int, seq: int, buffers: bool = False
+) -> TPUProgram:
+    """Table III's block (`table3_ffn_speed.fwd_bwd` on `models.FFN`), abstract weights;
+    `buffers`: read the buffer assignment too (`TPUProgram.packing`)."""
     ffn = eqx.filter_eval_shape(models.FFN, h, d, _policy(name), key=jr.key(0))
     split = NamedSharding(mesh, P("data"))
     x = jax.ShapeDtypeStruct((batch, seq, h), jnp.bfloat16, sharding=split)
@@ -161,7 +164,9 @@ def compile_ffn(name: str, mesh, h: int, d: int, batch: int, seq: int) -> TPUPro
     # Upstream gradients of the three projections: down's (tokens, h), gate's and up's
     # (tokens, d) each.
     inner = jax.ShapeDtypeStruct((batch, seq, d), jnp.bfloat16, sharding=split)
-    return compile_for_tpu(t3.fwd_bwd, ffn, x, g, key, mesh=mesh, upstream=[g, inner, inner])
+    return compile_for_tpu(
+        t3.fwd_bwd, ffn, x, g, key, mesh=mesh, upstream=[g, inner, inner], buffers=buffers
+    )
 
 
 def _shard(tree, mesh):

@@ -5,6 +5,7 @@ compiling functions need `libtpu` (`pip install "s3req[tpu]"`), imported when fi
 See the guide `docs/guides/tpu-compile.md`.
 """
 
+from ._buffers import BufferPacking as BufferPacking
 from ._compile import (
     compile_for_tpu as compile_for_tpu,
     CostModel as CostModel,

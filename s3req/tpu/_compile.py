@@ -4,6 +4,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import tempfile
 import time
 import typing
 from collections.abc import Callable, Sequence
@@ -13,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ._buffers import BufferPacking, read_dump
 from ._hlo import Gemm, HloTensor, program_structure
 
 
@@ -181,6 +183,9 @@ class TPUProgram:
     - `cost_model`: the compiler's [`s3req.tpu.CostModel`][], a model and never a time.
     - `compile_seconds`: wall time of lowering and compiling here.
     - `hlo`: the optimized HLO text.
+    - `packing`: how the compiler packed the temporaries (a [`s3req.tpu.BufferPacking`][]:
+      the block's size, the most bytes occupied at once, the hole between them), or `None`
+      unless compiled with `buffers=True`.
     """
 
     device_kind: str
@@ -195,6 +200,7 @@ class TPUProgram:
     cost_model: CostModel
     compile_seconds: float
     hlo: str = dataclasses.field(repr=False)
+    packing: BufferPacking | None = None
 
     def integer_gemms(self) -> tuple[Gemm, ...]:
         """The GEMMs with two integer (`s8`, `s4`, `u8`, ...) operands."""
@@ -211,6 +217,8 @@ class TPUProgram:
             d["signature"] = g.signature
         if self.largest_u32 is not None:
             out["largest_u32"]["bytes"] = self.largest_u32.nbytes
+        if self.packing is not None:
+            out["packing"]["hole"] = self.packing.hole
         return out
 
 
@@ -239,6 +247,7 @@ def compile_for_tpu(
     *args: typing.Any,
     mesh: jax.sharding.Mesh | None = None,
     upstream: Sequence[jax.ShapeDtypeStruct] = (),
+    buffers: bool = False,
 ) -> TPUProgram:
     """Compile `fn(*args)` for TPU chips ahead of time, on any machine, and read the facts.
 
@@ -260,6 +269,9 @@ def compile_for_tpu(
     - `upstream`: the upstream gradients of the backward, as sharded `ShapeDtypeStruct`s
       (e.g. the cotangents a VJP is called with); their per-device elements are the
       denominator of `vector_ops_per_upstream_element`. (Keyword only argument.)
+    - `buffers`: also read the compiler's buffer assignment (XLA dumps it to a temporary
+      folder, deleted afterwards) into `TPUProgram.packing`: whether the temporaries hold
+      holes. (Keyword only argument.)
 
     **Returns:**
 
@@ -276,9 +288,15 @@ def compile_for_tpu(
         out = fn(*eqx.combine(dynamic, static, is_leaf=_is_spec))
         return eqx.filter(out, eqx.is_array)
 
-    t0 = time.perf_counter()
-    compiled = jax.jit(traced).lower(dynamic).compile()
-    seconds = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory(prefix="s3req-tpu-") as dump:
+        options = None
+        if buffers:  # the module of `traced` only
+            options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
+            options["xla_dump_hlo_module_re"] = "jit_traced"
+        t0 = time.perf_counter()
+        compiled = jax.jit(traced).lower(dynamic).compile(compiler_options=options)
+        seconds = time.perf_counter() - t0
+        packing = read_dump(dump, "jit_traced") if buffers else None
     text = compiled.as_text()
     ma = compiled.memory_analysis()
     if text is None or ma is None:
@@ -320,4 +338,5 @@ def compile_for_tpu(
         ),
         compile_seconds=round(seconds, 2),
         hlo=text,
+        packing=packing,
     )
