@@ -618,7 +618,10 @@ def markdown(s: dict) -> str:
         "temporaries that differ by how the buffers pack; the peak does not see packing, but "
         "it is not bounded by arguments + outputs + temporaries either (on small programs it "
         "exceeds that sum), so it is reported as it is and compared only between policies. "
-        "Rows compiled before the peak was recorded show — for it.",
+        "Rows compiled before the peak was recorded show — for it. How much of the "
+        "temporaries are holes, read from the compiler's buffer assignment (on v5p "
+        "`temporaries` = block + hole, the hole counted twice): "
+        "[packing of the FFN block](tpu_packing.md) (`benchmarks/tpu_packing.py`).",
         "",
     ]
     if s["layer"]:

@@ -1,0 +1,107 @@
+"""`s3req.tpu.BufferPacking`: the reader of XLA's buffer-assignment dumps (no libtpu needed)
+and `compile_for_tpu(..., buffers=True)` on TPU v5p (skipped without libtpu)."""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from policies import PRESETS
+from s3req import qdot
+from s3req.tpu import BufferPacking, compile_for_tpu, tpu_mesh
+from s3req.tpu._buffers import buffer_packing, read_dump
+
+
+MiB = 2**20
+
+# A program of four steps. HBM block of 3 MiB: `a` (1 MiB at 0) lives 0-1, `b` (2 MiB at
+# 1 MiB) 1-3, `c` reuses `a`'s bytes at 2-3, `d` (1 MiB at 0, a tuple element) shares them
+# at step 3 (counted once); the VMEM allocation (color 1) and zero-size values are not HBM.
+_ASSIGNMENT = f"""BufferAssignment:
+allocation 0: size 512, parameter 0, shape |f32[128]| at ShapeIndex {{}}:
+ value: <0 p @0> (size=512,offset=0): f32[128]
+allocation 1: size {3 * MiB}, preallocated-temp:
+ value: <1 a @0> (size={MiB},offset=0): f32[262144]
+ value: <2 b{{}} @0> (size={2 * MiB},offset={MiB}): f32[524288]
+ value: <3 c @0> (size={MiB},offset=0): f32[262144]
+ value: <4 d{{1}} @0> (size={MiB},offset=0): f32[262144]
+ value: <5 t (phi) @0> (size=0,offset=0): token[]
+allocation 2: size {8 * MiB}, color 1, preallocated-temp:
+ value: <6 v @0> (size={8 * MiB},offset=0): f32[2097152]
+"""
+_LIVE = """HloLiveRange (max 3):
+  InstructionSequence:
+    0:a
+    1:b
+    2:c
+    3:d
+  BufferLiveRange:
+    a{}:0-1
+    b{}:1-3
+    c{}:2-3
+    d{1}:3-3
+    v{}:0-3
+  Live ranges at 1 (peak):
+    a{}: 1048576 bytes
+"""
+
+
+def test_buffer_packing_reads_heap_live_and_hole():
+    pk = buffer_packing(_ASSIGNMENT, _LIVE)
+    assert isinstance(pk, BufferPacking)
+    assert pk.heap == 3 * MiB
+    # Steps 1 (a + b), 2 and 3 (b + c; d shares c's bytes) all occupy the whole block.
+    assert (pk.live, pk.live_at) == (3 * MiB, "b")
+    assert pk.hole == 0
+
+
+def test_buffer_packing_sees_a_hole():
+    """`b` moved to 2 MiB: bytes 1-2 MiB are never occupied, the block is 4 MiB."""
+    text = _ASSIGNMENT.replace(f"size {3 * MiB}, pre", f"size {4 * MiB}, pre")
+    text = text.replace(f"offset={MiB}): f32[524288]", f"offset={2 * MiB}): f32[524288]")
+    pk = buffer_packing(text, _LIVE)
+    assert (pk.heap, pk.live, pk.hole) == (4 * MiB, 3 * MiB, MiB)
+
+
+def test_buffer_packing_rejects_dumps_of_two_programs(tmp_path):
+    with pytest.raises(ValueError, match="same module"):
+        buffer_packing(_ASSIGNMENT, _LIVE.replace("    c{}:2-3\n", ""))
+    with pytest.raises(RuntimeError, match="expected one buffer-assignment dump"):
+        read_dump(tmp_path, "jit_traced")
+    (tmp_path / "m.jit_f.after_optimizations-buffer-assignment.txt").write_text(_ASSIGNMENT)
+    (tmp_path / "m.jit_f.after_optimizations-live-range.txt").write_text(_LIVE)
+    assert read_dump(tmp_path, "jit_f").heap == 3 * MiB
+
+
+@pytest.mark.slow  # two compiles for v5p, 20-170 s
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason='libtpu is not installed (pip install "s3req[tpu]"): no TPU compiles',
+)
+def test_v5p_packing_of_a_layer():
+    """Reading the buffer assignment does not change the program (the same memory analysis
+    as without); its block holds what is live, and on v5p the reported temporaries are the
+    block plus its hole again (the claim of the tpu_packing page)."""
+    mesh = tpu_mesh()
+    batch = NamedSharding(mesh, PartitionSpec("data"))
+    B, S, H, D = 8, 512, 256, 512
+    x = jax.ShapeDtypeStruct((B, S, H), jnp.bfloat16, sharding=batch)
+    g = jax.ShapeDtypeStruct((B, S, D), jnp.bfloat16, sharding=batch)
+    w = jax.ShapeDtypeStruct((H, D), jnp.float32)
+    key = jax.ShapeDtypeStruct((), jr.key(0).dtype)
+
+    def f(x, w, g, key):
+        y, vjp = jax.vjp(lambda x, w: qdot(x, w, policy=PRESETS["s3r-ec-2way"], key=key), x, w)
+        return y, vjp(g)
+
+    plain = compile_for_tpu(f, x, w, g, key, mesh=mesh)
+    read = compile_for_tpu(f, x, w, g, key, mesh=mesh, buffers=True)
+    assert plain.packing is None and read.packing is not None
+    assert read.memory == plain.memory
+    pk, m = read.packing, read.memory
+    assert 0 < pk.live <= pk.heap <= m.temporaries
+    assert abs(m.temporaries - pk.heap - pk.hole) <= MiB // 10, (m, pk)
+    assert read.summary()["packing"]["hole"] == pk.hole
