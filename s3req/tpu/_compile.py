@@ -95,7 +95,9 @@ class MemoryAnalysis:
     - `arguments`: input buffers.
     - `outputs`: output buffers.
     - `temporaries`: every other buffer live at some point (activations, residuals, the
-      int8 codes, random words, ...), after XLA's reuse of memory.
+      int8 codes, random words, ...), after XLA's reuse of memory. It grows with the holes
+      of the packing: on TPU v5p it is the block of temporaries plus its hole again (see
+      [`s3req.tpu.BufferPacking`][], `compile_for_tpu(..., buffers=True)`).
     - `aliased`: bytes of outputs that reuse (donated) input buffers.
     - `generated_code`: the program's code.
     - `peak`: XLA's `peak_memory_in_bytes`, the largest total size of the buffers live at
