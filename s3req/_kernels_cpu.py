@@ -20,11 +20,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int8
 
 from ._gemms import check_sum_terms
+from ._quantize import QMAX
 
 
 _F32 = jnp.float32
 _I32 = jnp.int32
-QMAX = 127
 
 
 def _int_dot(a: Array, b: Array, contract: tuple, batch: tuple = ((), ())) -> Array:
