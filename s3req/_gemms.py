@@ -81,21 +81,35 @@ def ragged(lhs: Array, rhs: Array, group_sizes: Array, dims, rhs_group: bool) ->
     )
 
 
+def ragged_row_chunks(
+    lhs: Shaped[Array, "n a"], rhs: Shaped[Array, "n b"], group_sizes: Int[Array, " e"], chunk: int
+) -> Float[Array, "e a b"]:
+    """`lhs_e^T rhs_e` for every group, float32, with the rows cut into chunks of `chunk`
+    (each group clipped to the chunk): the int32 sums of int8 codes are added exactly
+    (`split_sum`), float32 ones in float32. XLA:TPU computes a ragged contraction over all
+    groups masked by an `(e, rows, 1)` boolean array, which its layout pads to `128 e rows`
+    bytes: chunks bound that buffer."""
+    n = lhs.shape[0]
+    if n <= chunk:
+        return ragged(lhs, rhs, group_sizes, ((0,), (0,)), False).astype(_F32)
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    parts = []
+    for lo in range(0, n, chunk):
+        hi = min(lo + chunk, n)
+        sizes = jnp.clip(jnp.minimum(ends, hi) - jnp.maximum(starts, lo), 0)
+        parts.append(
+            ragged(lhs[lo:hi], rhs[lo:hi], sizes.astype(group_sizes.dtype), ((0,), (0,)), False)
+        )
+    stacked = jnp.stack(parts)
+    return split_sum(stacked) if stacked.dtype == _I32 else jnp.sum(stacked, axis=0)
+
+
 def ragged_token_contraction(
     xq: Int8[Array, "n h"], q: Shaped[Array, "n d"], group_sizes: Int[Array, " e"]
 ) -> Float[Array, "e h d"]:
     """`Xq_e^T Q_e` for every expert; past `MAX_TERMS` rows of int8 codes the rows are cut
-    into chunks of `DW_CHUNK` (each group clipped to the chunk) summed exactly."""
-    n = xq.shape[0]
-    if q.dtype != jnp.int8 or n <= MAX_TERMS:
+    into chunks of `DW_CHUNK` (`ragged_row_chunks`)."""
+    if q.dtype != jnp.int8 or xq.shape[0] <= MAX_TERMS:
         return ragged(xq, q, group_sizes, ((0,), (0,)), False).astype(_F32)
-    ends = jnp.cumsum(group_sizes)
-    starts = ends - group_sizes
-    parts = []
-    for lo in range(0, n, DW_CHUNK):
-        hi = min(lo + DW_CHUNK, n)
-        sizes = jnp.clip(jnp.minimum(ends, hi) - jnp.maximum(starts, lo), 0)
-        parts.append(
-            ragged(xq[lo:hi], q[lo:hi], sizes.astype(group_sizes.dtype), ((0,), (0,)), False)
-        )
-    return split_sum(jnp.stack(parts))
+    return ragged_row_chunks(xq, q, group_sizes, DW_CHUNK)

@@ -29,6 +29,21 @@ chip inside `shard_map`, v5p 2x2x1), two-way EC over S3R in MiB per chip, tempor
 Together these forms save the most temporaries at both GEMMs; at the down GEMM (`d = 2048`)
 the ragged contractions of the segment sums raise the peak, which stays open.
 
+XLA:TPU computes a ragged contraction (contracting the rows) as a masked convolution over
+all experts, and besides the `(E, rows)` mask it uses it writes an `(E, rows, 1)` boolean
+one (only a scheduling dependency) that its tiled layout pads to `128 E rows` bytes: 2 GiB
+at 131072 rows and 128 experts. `segment_sums` therefore contracts at most `SEGMENT_CHUNK`
+rows at a time, as the dW GEMM does (`ragged_token_contraction`, `DW_CHUNK`). In Table IV's
+Qwen3-30B-A3B step (`benchmarks/tpu_compile.py --parts table4 --layers 1`, fsdp=2 x tp=2,
+`compile_for_tpu(..., buffers=True)`) the sorted expert rows are not split over `fsdp`
+(524288 rows per chip), and unchunked every segment sum wrote an 8 GiB mask; one of them sat
+at two-way EC's busiest instruction. Over S3R (heap 35.81 GiB, 34.86 GiB live at the
+busiest instruction) two-way EC took a heap of 49.32 GiB, 46.69 GiB live; with the chunks
+42.82 GiB, 40.12 GiB live. What stays live there beyond S3R is mostly two `(n, h)` float32
+gathers of the experts' weight row sums (`Ragged.weight_row_sums`, 2 GiB each at
+`h = 1024` per chip) that XLA computes early, from the weights alone, and keeps until the dX
+correction.
+
 On XLA:CPU the ragged contractions run masked over all experts, slower than the reference
 forms, so CPU runs the reference. `_backward.Ragged` chooses per backend (`_per_backend`);
 `tests/test_kernels_tpu.py` checks that both give the same gradients.
@@ -39,7 +54,7 @@ Every function takes and returns local (per-shard) values: the engine adds the s
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Int8, Shaped
 
-from ._gemms import check_sum_terms, ragged, ragged_token_contraction
+from ._gemms import check_sum_terms, ragged_row_chunks, ragged_token_contraction
 
 
 _F32 = jnp.float32
@@ -49,6 +64,11 @@ _I32 = jnp.int32
 def _examples(example_id: Int[Array, " n"], num_examples: int, dtype) -> Array:
     """The one-hot `(n, examples)` matrix of every row's example."""
     return (example_id[:, None] == jnp.arange(num_examples, dtype=_I32)[None, :]).astype(dtype)
+
+
+SEGMENT_CHUNK = 2**17
+"""Rows per ragged contraction in `segment_sums` (XLA pads its boolean mask to `128 x E x
+rows` bytes: 2 GiB at 128 experts)."""
 
 
 def segment_sums(
@@ -64,9 +84,9 @@ def segment_sums(
         check_sum_terms(v.shape[0])
     rows = v.reshape(v.shape[0], -1)
     lhs = _examples(example_id, num_examples, jnp.int8 if v.dtype == jnp.int8 else _F32)
-    sums = ragged(lhs, rows, group_sizes, ((0,), (0,)), False)  # (E, B, c)
+    sums = ragged_row_chunks(lhs, rows, group_sizes, SEGMENT_CHUNK)  # (E, B, c)
     segments = num_examples * group_sizes.shape[0]
-    return jnp.swapaxes(sums, 0, 1).reshape(segments, *v.shape[1:]).astype(_F32)
+    return jnp.swapaxes(sums, 0, 1).reshape(segments, *v.shape[1:])
 
 
 EPS_DIGITS = 4

@@ -29,6 +29,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import s3req._backward as backward
+import s3req._kernels_tpu as kernels_tpu
 from policies import DxOnlyEC, NoEC, Phi2D, Policy, TwoWayEC
 from s3req import qragged_dot, ShardAxes
 from s3req._kernels_tpu import EPS_DIGITS, int8_digits
@@ -170,6 +171,33 @@ def test_ragged_tpu_kernel_agrees_inside_shard_map(getkey):
     args = (x[order], w, g[order], gs, row_id[order])
     ref, tpu = f(*[put(a, s) for a, s in zip(args, (d, r, d, d, d))], key)
     _assert_agree(policy, ref, tpu)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float32])
+def test_segment_sums_in_row_chunks(monkeypatch, dtype):
+    """`segment_sums` with the rows cut into chunks of 7 (groups straddle the chunks, one
+    expert has no rows) against `jax.ops.segment_sum`: int8 codes exactly, float32 within
+    the float32 bound of two summation orders of `k` terms, `2 (k - 1) 2**-24 sum |v|`."""
+    x, _, gs, _, _, example_id = _problem(3)
+    n = x.shape[0]
+    rng = np.random.default_rng(3)
+    if dtype == jnp.int8:
+        v = jnp.asarray(rng.integers(-127, 128, (n, H)), jnp.int8)
+    else:
+        v = jnp.asarray(rng.standard_normal((n, H)) * np.exp(rng.standard_normal((n, H))), dtype)
+    monkeypatch.setattr(kernels_tpu, "SEGMENT_CHUNK", 7)
+    assert n > 7 and n % 7
+    got = jax.jit(lambda v: kernels_tpu.segment_sums(v, example_id, B, gs))(v)
+    expert = np.repeat(np.arange(E), np.asarray(gs))
+    segment = np.asarray(example_id) * E + expert
+    want = jax.ops.segment_sum(v.astype(jnp.float32), jnp.asarray(segment), B * E)
+    assert got.shape == (B * E, H) and got.dtype == jnp.float32
+    if dtype == jnp.int8:
+        np.testing.assert_array_equal(got, want)
+    else:
+        k = np.bincount(segment, minlength=B * E).max()
+        mag = jax.ops.segment_sum(jnp.abs(v), jnp.asarray(segment), B * E)
+        assert np.all(np.abs(got - want) <= 2 * (k - 1) * 2.0**-24 * np.asarray(mag))
 
 
 @pytest.mark.parametrize("case", ["magnitudes", "zeros"])
