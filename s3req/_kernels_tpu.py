@@ -39,7 +39,8 @@ Qwen3-30B-A3B step (`benchmarks/tpu_compile.py --parts table4 --layers 1`, fsdp=
 (524288 rows per chip), and unchunked every segment sum wrote an 8 GiB mask; one of them sat
 at two-way EC's busiest instruction. Over S3R (heap 35.81 GiB, 34.86 GiB live at the
 busiest instruction) two-way EC took a heap of 49.32 GiB, 46.69 GiB live; with the chunks
-42.82 GiB, 40.12 GiB live. What stays live there beyond S3R is mostly two `(n, h)` float32
+42.82 GiB, 40.12 GiB live, and XLA's peak 47.09 GiB (S3R 41.82; unchunked 53.65 in
+`docs/results/tpu_table4.md`). What stays live there beyond S3R is mostly two `(n, h)` float32
 gathers of the experts' weight row sums (`Ragged.weight_row_sums`, 2 GiB each at
 `h = 1024` per chip) that XLA computes early, from the weights alone, and keeps until the dX
 correction.
