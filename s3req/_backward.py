@@ -55,6 +55,7 @@ from ._thresholds import Layout, Rows
 
 _F32 = jnp.float32
 _I32 = jnp.int32
+_T = typing.TypeVar("_T")
 
 KERNELS: Literal["auto", "reference", "cpu", "tpu"] = "auto"
 """Which implementations are traced: `"auto"` chooses per backend when lowering (a backend's
@@ -115,10 +116,10 @@ class AbstractLayer(eqx.Module):
     owned_segment_roles: eqx.AbstractClassVar[tuple]
     """The roles whose shards hold different segments (their terms are summed over them)."""
 
-    def per_backend(self, reference, cpu):
+    @abc.abstractmethod
+    def per_backend(self, reference: _T, cpu: _T) -> _T:
         """`reference`, or in programs lowered for the CPU the values `cpu` of this layer's
         CPU kernel, where it has one (both are traced; the program keeps one)."""
-        return reference
 
     @abc.abstractmethod
     def weight_absmax(self, w: Array) -> Array:
@@ -313,6 +314,9 @@ class Ragged(AbstractLayer):
     @property
     def _segments(self) -> int:
         return self.num_examples * self._experts
+
+    def per_backend(self, reference, cpu):
+        return reference  # the error sums on every backend
 
     def weight_absmax(self, w):
         return finite_absmax(w, axis=1, keepdims=True)
