@@ -284,6 +284,12 @@ def tpu(d: pathlib.Path) -> list[str]:
     rows = [r["policies"] for r in (c or {}).get("ffn", {}).values() if r.get("policies")]
     temp = lambda P, p: P[p]["memory"]["temporaries"]
     over = lambda a, b: [100 * (temp(P, a) / temp(P, b) - 1) for P in rows if a in P and b in P]
+
+    def over_on(field: str, a: str, b: str) -> list[float]:
+        mem = lambda P, p: P[p]["memory"].get(field)
+        pairs = [(mem(P, a), mem(P, b)) for P in rows if a in P and b in P]
+        return [100 * (x / y - 1) for x, y in pairs if x and y]
+
     ops = lambda a: [
         P[a]["vector_ops_per_upstream_element"] - P["rtne"]["vector_ops_per_upstream_element"]
         for P in rows
@@ -295,6 +301,12 @@ def tpu(d: pathlib.Path) -> list[str]:
         f"| {span(over('s3r-ec-dx', 's3r'), '+.1f', '%')} |",
         "| S3R-EC two-way temporaries over S3R, FFN block | +8 to +14% (both variants) "
         f"| {span(over('s3r-ec-2way', 's3r'), '+.1f', '%')} |",
+        "| ... on XLA's peak: S3R over RTNE | 0 "
+        f"| {span(over_on('peak', 's3r', 'rtne'), '+.1f', '%')} |",
+        "| ... on XLA's peak: dX-only / two-way over S3R (temporaries count the packing's "
+        "holes twice, [packing page](tpu_packing.md)) | +8 to +14% "
+        f"| {span(over_on('peak', 's3r-ec-dx', 's3r'), '+.1f', '%')} / "
+        f"{span(over_on('peak', 's3r-ec-2way', 's3r'), '+.1f', '%')} |",
         "| vector ops per gradient element over RTNE: Independent SR | +120 to +133 (from time) "
         f"| {span(ops('sr'), '+.0f')} (static HLO count) |",
         f"| ... S3R | -2 to +6 | {span(ops('s3r'), '+.1f')} |",
