@@ -470,7 +470,10 @@ def test_digits_dot_precision(getkey):
         assert np.all(np.abs(got[0] - want) <= bound), (n, got, want)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+# float32 activations run with -m slow (24 s here); bfloat16 runs the same transforms.
+@pytest.mark.parametrize(
+    "dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow), jnp.bfloat16]
+)
 def test_transforms(dtype, getkey):
     policy = Policy(Phi2D(), TwoWayEC())
     x = jr.normal(getkey(), (2, 8, 16), dtype)

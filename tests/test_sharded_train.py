@@ -51,13 +51,11 @@ def _losses(preset, policy, mesh, data):
     return np.array([r["train_loss"] for r in result.metrics])
 
 
-_FAST = ("s3r-ec-2way",)  # the other policies run with -m slow (about 1 min each here)
-
-
-@pytest.mark.parametrize("preset", ["tiny", pytest.param("tiny-moe", marks=pytest.mark.slow)])
-@pytest.mark.parametrize(
-    "policy", [p if p in _FAST else pytest.param(p, marks=pytest.mark.slow) for p in PRESETS]
-)
+# Every case runs with -m slow (35 s to about 1 min each here); the default suite checks a
+# sharded training step (tests/test_mesh_policies.py) and the sharded GEMMs (test_sharding.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("policy", list(PRESETS))
 def test_sharded_loss_curve_matches(preset, policy):
     data = _data()
     ref = _losses(preset, policy, None, data)
