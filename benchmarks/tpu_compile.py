@@ -51,7 +51,7 @@ import table4_full_step as t4  # noqa: E402
 import models  # noqa: E402
 from policies import PRESETS  # noqa: E402
 from s3req import qdot  # noqa: E402
-from s3req.tpu import compile_for_tpu, tpu_mesh, TPUProgram  # noqa: E402
+from s3req.tpu import compile_for_tpu, HloTensor, tpu_mesh, TPUProgram  # noqa: E402
 from s3req.train import (  # noqa: E402
     make_optimizer,
     make_train_step,
@@ -180,11 +180,26 @@ def _shard(tree, mesh):
     )
 
 
-def compile_step(name: str, mesh, preset: str, n_layers: int, seq: int, per_chip: int):
-    """Table IV's training step, abstract and sharded FSDP x TP over `mesh`."""
+def compile_step(
+    name: str,
+    mesh,
+    preset: str,
+    n_layers: int,
+    seq: int,
+    per_chip: int,
+    overrides: dict | None = None,
+    pin: bool = True,
+):
+    """Table IV's training step, abstract and sharded FSDP x TP over `mesh` (the step
+    traced under the mesh, as `s3req train --mesh` runs it); `overrides`: more
+    `LlamaConfig` fields (small widths for a test). Returns `(program, config, batch)`:
+    `batch` is the global batch, `per_chip * chips` sequences (MaxText's
+    `per_device_batch_size`), split over `fsdp` only. `pin=False` traces the step without
+    the mesh, leaving the split of every activation to the SPMD partitioner alone (what
+    `unsplit_activations` catches)."""
     optimizer, _ = make_optimizer(TrainConfig())
-    step = make_train_step(optimizer)
-    cfg = t4.config(preset, {"n_layers": n_layers})
+    step = make_train_step(optimizer, mesh=mesh if pin else None)
+    cfg = t4.config(preset, {"n_layers": n_layers, **(overrides or {})})
     model = eqx.filter_eval_shape(models.Llama, cfg, _policy(name), key=jr.key(0))
     is_sds = lambda x: isinstance(x, jax.ShapeDtypeStruct)
     dyn, static = eqx.partition(model, is_sds)
@@ -204,6 +219,39 @@ def compile_step(name: str, mesh, preset: str, n_layers: int, seq: int, per_chip
 
     with jax.numpy_dtype_promotion("standard"):
         return compile_for_tpu(f, model, opt, tokens, key, mesh=mesh), cfg, batch
+
+
+def unsplit_activations(prog: TPUProgram, cfg, batch: int, seq: int) -> list[HloTensor]:
+    """The buffers of a compiled training step that hold the global batch on one chip.
+
+    A buffer is flagged when its leading dimension is the global batch with the sequence
+    length among its other dimensions (e.g. attention scores `(batch, heads, seq, seq)`),
+    or the global token count `batch * seq` (the flattened tokens of an MoE block), or the
+    global count of routed rows `batch * seq * top_k` (the expert-sorted rows). On a mesh
+    that splits the batch over `fsdp` every chip should hold `batch / fsdp` sequences of
+    each activation instead."""
+    tokens = batch * seq
+    flat = {tokens} | ({tokens * cfg.moe.top_k} if cfg.moe is not None else set())
+    return [
+        b
+        for b in prog.buffers()
+        if b.shape and ((b.shape[0] == batch and seq in b.shape[1:]) or b.shape[0] in flat)
+    ]
+
+
+def check_split(prog: TPUProgram, cfg, batch: int, seq: int, label: str) -> None:
+    """Raise if the compiled step holds the global batch on one chip (`unsplit_activations`)."""
+    bad = unsplit_activations(prog, cfg, batch, seq)
+    if bad:
+        shown = "; ".join(
+            f"{b.dtype}[{','.join(map(str, b.shape))}] ({b.op}: {b.op_name[-80:]})"
+            for b in bad[:6]
+        )
+        raise RuntimeError(
+            f"{label}: the compiled step holds the global batch of {batch} x {seq} tokens on "
+            f"one chip in {len(bad)} buffers, e.g. {shown}. The activations must stay split "
+            "over fsdp (models pin them under the step's mesh: make_train_step(..., mesh=...))."
+        )
 
 
 def _commit() -> str:
@@ -343,6 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
             for p in pols:
                 t0 = time.perf_counter()
                 prog, cfg, batch = compile_step(p, mesh2, preset, args.layers, seq, per_chip)
+                check_split(prog, cfg, batch, seq, f"table4 {label} {p}")
                 m = t4data["models"].setdefault(label, {})
                 if m.get("n_layers", cfg.n_layers) != cfg.n_layers or m.get("seq", seq) != seq:
                     # Rows of another cut are not comparable with this one: start afresh.

@@ -26,7 +26,6 @@ them).
 import argparse
 import json
 import pathlib
-import re
 import sys
 
 import jax
@@ -48,9 +47,6 @@ POLICIES = ("rtne", "s3r", "s3r-ec-dx", "s3r-ec-2way")
 EXPERTS, TOP_K, D_MODEL, D_EXPERT = 128, 8, 2048, 768  # Qwen3-30B-A3B
 PER_CHIP, SEQ = 4, 4096  # sequences per chip, tokens per sequence
 GEMMS = {"up": (D_MODEL, D_EXPERT), "down": (D_EXPERT, D_MODEL)}
-
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2}
-_DTYPE_BYTES |= {"s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
 
 def compile_gemm(
@@ -100,43 +96,6 @@ def compile_gemm(
     return compile_for_tpu(inner, x, w, g, gs, ids, key, mesh=mesh, upstream=[g])
 
 
-def largest_buffers(hlo: str, k: int) -> list[dict]:
-    """The `k` largest arrays produced by instructions of the entry computation (and of
-    non-fusion computations it calls, e.g. loop bodies), with their JAX `op_name`."""
-    out = []
-    fused = set(re.findall(r"calls=(%?[\w.\-]+)", hlo))
-    comp = None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?(%?[\w.\-]+) ", line)
-        if head and line.rstrip().endswith("{"):
-            comp = head.group(1)
-            continue
-        if comp in fused:
-            continue
-        m = re.match(r"\s*(?:ROOT )?(%?[\w.\-]+) = (\w+)\[([\d,]*)\]", line)
-        if not m:
-            continue
-        name, dtype, dims = m.groups()
-        if dtype not in _DTYPE_BYTES or re.search(r"\} (bitcast|get-tuple-element)\(", line):
-            continue
-        size = _DTYPE_BYTES[dtype]
-        for v in filter(None, dims.split(",")):
-            size *= int(v)
-        op = re.search(r'op_name="([^"]*)"', line)
-        opcode = re.search(r"\](?:\{[^}]*\})? ([\w\-]+)\(", line)
-        out.append(
-            {
-                "mib": size / 2**20,
-                "type": f"{dtype}[{dims}]",
-                "name": name,
-                "opcode": opcode.group(1) if opcode else "?",
-                "op_name": op.group(1)[-110:] if op else "",
-            }
-        )
-    out.sort(key=lambda r: -r["mib"])
-    return out[:k]
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--gemms", default="up,down")
@@ -173,8 +132,9 @@ def main(argv: list[str] | None = None) -> dict:
                 folder = pathlib.Path(args.hlo)
                 folder.mkdir(parents=True, exist_ok=True)
                 (folder / f"{gemm}_{p}_{args.mode}.hlo").write_text(prog.hlo)
-            for b in largest_buffers(prog.hlo, args.buffers):
-                print(f"    {b['mib']:8.1f} MiB {b['type']:22s} {b['opcode']:14s} {b['op_name']}")
+            for b in prog.buffers()[: args.buffers]:
+                kind = f"{b.dtype}[{','.join(map(str, b.shape))}]"
+                print(f"    {b.nbytes / 2**20:8.1f} MiB {kind:22s} {b.op:14s} {b.op_name[-110:]}")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     return results

@@ -121,7 +121,8 @@ MEMORY_MODELS = {
 
 def config(preset: str, overrides: dict) -> models.LlamaConfig:
     cfg = models.get_config(preset)
-    moe = cfg.moe
+    overrides = dict(overrides)
+    moe = overrides.pop("moe", cfg.moe)
     if moe is not None and "n_layers" in overrides:
         moe = dataclasses.replace(
             moe, n_dense_layers=min(moe.n_dense_layers, overrides["n_layers"] - 1)

@@ -10,6 +10,8 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from s3req import AbstractPolicy, QuantLinear
 
+from ._sharding import shard_batch
+
 
 PAPER_FFN_SHAPES: dict[str, tuple[int, int]] = {
     "W1": (512, 2048),
@@ -95,4 +97,6 @@ class FFN(eqx.Module):
         """
         kg, ku, kd = _split3(key)
         h = jax.nn.silu(self.gate(x, key=kg)) * self.up(x, key=ku)
+        if h.ndim == 3:  # (batch, seq, d_ff): keep the batch split on a mesh
+            h = shard_batch(h)
         return self.down(h, key=kd)

@@ -17,6 +17,7 @@ from s3req import AbstractPolicy, QuantLinear
 from ._config import LlamaConfig, RopeScaling
 from ._ffn import FFN
 from ._moe import MoE
+from ._sharding import shard_batch
 
 
 _F32 = jnp.float32
@@ -149,9 +150,9 @@ class Attention(eqx.Module):
         B, S, _ = x.shape
         H, K, hd = self.n_heads, self.n_kv_heads, self.head_dim
         kq, kk, kv, ko = _split(key, 4)
-        q = self.q_proj(x, key=kq).reshape(B, S, H, hd)
-        k = self.k_proj(x, key=kk).reshape(B, S, K, hd)
-        v = self.v_proj(x, key=kv).reshape(B, S, K, hd)
+        q = shard_batch(self.q_proj(x, key=kq).reshape(B, S, H, hd))
+        k = shard_batch(self.k_proj(x, key=kk).reshape(B, S, K, hd))
+        v = shard_batch(self.v_proj(x, key=kv).reshape(B, S, K, hd))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
@@ -227,13 +228,14 @@ class DecoderLayer(eqx.Module):
         """Apply the layer. Returns the new residual stream and the layer's auxiliary loss
         (0 for a dense FFN). `key` is split between attention and FFN. (Keyword only.)"""
         ka, kf = _split(key, 2)
-        x = x + self.attn(self.attn_norm(x), cos, sin, key=ka)
+        x = shard_batch(x)
+        x = shard_batch(x + self.attn(self.attn_norm(x), cos, sin, key=ka))
         h = self.mlp_norm(x)
         if isinstance(self.mlp, MoE):
             y, aux = self.mlp.forward(h, key=kf)
         else:
             y, aux = self.mlp(h, key=kf), jnp.zeros((), _F32)
-        return x + y, aux
+        return shard_batch(x + y), aux
 
 
 def _policies(tree) -> list[AbstractPolicy]:
@@ -341,7 +343,7 @@ class Llama(eqx.Module):
                     "`key=` for every step (e.g. jax.random.fold_in(key, step))."
                 )
         dtype = _dtype(c.compute_dtype)
-        h = jnp.take(self.embed, tokens, axis=0).astype(dtype)
+        h = shard_batch(jnp.take(self.embed, tokens, axis=0).astype(dtype))
         cos, sin = _rope_tables(c, S)
         keys = None if key is None else jr.split(key, c.n_layers)
         aux = jnp.zeros((), _F32)
@@ -356,7 +358,7 @@ class Llama(eqx.Module):
         h = self.norm(h)
         head = self.embed if self.head is None else self.head
         logits = jnp.einsum("bsd,vd->bsv", h, head.astype(dtype), preferred_element_type=_F32)
-        return logits, aux
+        return shard_batch(logits), aux
 
 
 def _init_stack(abstract: DecoderLayer, key: PRNGKeyArray) -> DecoderLayer:

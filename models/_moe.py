@@ -7,12 +7,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from s3req import AbstractPolicy, qragged_dot
+from s3req import AbstractPolicy, qragged_dot, ShardAxes
 
 from ._config import MoEConfig
 from ._ffn import FFN
+from ._sharding import batch_axes, tensor_axis
 
 
 _F32 = jnp.float32
@@ -128,14 +130,22 @@ class MoE(eqx.Module):
         self, experts: Int[Array, "tokens top_k"], logits: Float[Array, "tokens n_experts"]
     ) -> Float[Array, ""]:
         """The weighted load-balancing loss plus router z-loss of one routing."""
+        return self._aux(*self._aux_sums(experts, logits), experts.shape[0])
+
+    def _aux_sums(self, experts, logits) -> tuple[Array, Array, Array]:
+        """The sums the auxiliary loss is made of: per-expert routed counts, per-expert
+        router probabilities summed over tokens, and the summed squared log-partitions."""
+        counts = jnp.bincount(experts.reshape(-1), length=self.config.n_experts).astype(_F32)
+        prob_sum = jnp.sum(jax.nn.softmax(logits, axis=-1), axis=0)
+        z_sum = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)
+        return counts, prob_sum, z_sum
+
+    def _aux(self, counts, prob_sum, z_sum, tokens: int) -> Array:
         c = self.config
-        T = experts.shape[0]
-        counts = jnp.bincount(experts.reshape(-1), length=c.n_experts).astype(_F32)
-        frac = counts / T  # f_e: fraction of tokens sent to e (sums to top_k)
-        mean_prob = jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0)  # P_e
+        frac = counts / tokens  # f_e: fraction of tokens sent to e (sums to top_k)
+        mean_prob = prob_sum / tokens  # P_e
         balance = c.n_experts * jnp.sum(frac * mean_prob)
-        z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
-        return c.aux_loss_coef * balance + c.z_loss_coef * z
+        return c.aux_loss_coef * balance + c.z_loss_coef * (z_sum / tokens)
 
     def __call__(
         self, x: Float[Array, "batch seq d_model"], *, key: PRNGKeyArray | None = None
@@ -158,35 +168,82 @@ class MoE(eqx.Module):
 
         `(y, aux)`: the output in the dtype of `x` and the weighted auxiliary loss.
         """
+        B = x.shape[0]
+        keys = [None] * 4 if key is None else list(jr.split(key, 4))
+        axes = batch_axes(B)
+        if axes:
+            y, aux = self._routed_per_shard(x, keys[:3], axes)
+        else:
+            y, sums = self._routed(x, keys[:3], 0, B, (ShardAxes(), ShardAxes()))
+            aux = self._aux(*sums, B * x.shape[1])
+        if self.shared is not None:
+            y = y + self.shared(x, key=keys[3])
+        return y, aux
+
+    def _routed(
+        self, x, keys, first: Array | int, num_examples: int, axes: tuple[ShardAxes, ShardAxes]
+    ):
+        """The routed experts on the examples `first, first + 1, ...` of a batch of
+        `num_examples` (all of them, or one shard's inside `shard_map`, where `axes` are the
+        `ShardAxes` of the gate/up and of the down GEMMs): their output and the sums of
+        their auxiliary loss."""
         B, S, D = x.shape
         c = self.config
         T, k, E = B * S, c.top_k, c.n_experts
         xf = x.reshape(T, D)
         weights, experts, logits = self.route(xf)
-        # Sort the (token, slot) pairs by expert; pair id = token * top_k + slot.
+        # Sort the (token, slot) pairs by expert; pair id = token * top_k + slot, made
+        # global by the offset of the first example.
         order, group_sizes = sort_by_expert(experts, E)
         token = order // k
-        example = token // S
-        keys = [None] * 4 if key is None else list(jr.split(key, 4))
+        example = first + token // S
+        row_id = first * (S * k) + order
         xs = xf[token]
 
-        def qr(h, w, k):
+        def qr(h, w, key, axes):
             return qragged_dot(
                 h,
                 w,
                 group_sizes,
                 policy=self.policy,
-                key=k,
-                row_id=order,
+                key=key,
+                row_id=row_id,
                 example_id=example,
-                num_examples=B,
+                num_examples=num_examples,
+                axes=axes,
             )
 
-        h = jax.nn.silu(qr(xs, self.w_gate, keys[0])) * qr(xs, self.w_up, keys[1])
-        ys = qr(h, self.w_down, keys[2])
+        column, row = axes
+        h = jax.nn.silu(qr(xs, self.w_gate, keys[0], column)) * qr(xs, self.w_up, keys[1], column)
+        ys = qr(h, self.w_down, keys[2], row)
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(T * k, dtype=jnp.int32))
         y = jnp.einsum("tkd,tk->td", ys[inverse].reshape(T, k, D), weights.astype(x.dtype))
-        y = y.reshape(B, S, D)
-        if self.shared is not None:
-            y = y + self.shared(x, key=keys[3])
-        return y, self.aux_loss(experts, logits)
+        return y.reshape(B, S, D), self._aux_sums(experts, logits)
+
+    def _routed_per_shard(self, x, keys, axes: tuple[str, ...]):
+        """`_routed` inside `jax.shard_map` over the ambient mesh, every shard routing and
+        sorting its own tokens (no gather of the batch over `axes`). The expert weights are
+        gathered over the batch axes (FSDP) and split over `tp` when it divides `d_expert`
+        (gate and up column-parallel, down row-parallel, as the dense FFN). The thresholds
+        see the global `(token, slot)` ids and the error correction the global
+        `(example, expert)` segments (`ShardAxes`), so the maths is that of the unsharded
+        block; the auxiliary loss sums over every shard."""
+        B, S, _ = x.shape
+        mesh = jax.sharding.get_abstract_mesh()
+        tp = tensor_axis(self.config.d_expert)
+        column, row = ShardAxes(batch=axes, d_out=tp), ShardAxes(batch=axes, d_in=tp)
+        local = B // math.prod(mesh.shape[a] for a in axes)
+        params = (self.router, self.w_gate, self.w_up, self.w_down)
+
+        def body(x, params, keys):
+            moe = eqx.tree_at(lambda m: (m.router, m.w_gate, m.w_up, m.w_down), self, params)
+            first = column.index("batch") * local
+            y, sums = moe._routed(x, keys, first, B, (column, row))
+            sums = tuple(jax.lax.psum(v, axes) for v in sums)
+            return y, moe._aux(*sums, B * S)
+
+        batch = P(axes)
+        specs = (P(), P(None, None, tp), P(None, None, tp), P(None, tp, None))
+        return jax.shard_map(
+            body, mesh=mesh, in_specs=(batch, specs, P()), out_specs=(batch, P())
+        )(x, params, keys)

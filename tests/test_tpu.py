@@ -11,6 +11,7 @@ import jax.random as jr
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+import models
 import s3req.tpu
 from s3req.tpu import compile_for_tpu, parse_gemms, tpu_mesh
 from s3req.tpu._hlo import program_structure
@@ -353,3 +354,57 @@ def test_pages_check_targets_on_temporaries_and_peak():
         "superseded engine (to be recompiled): `1111111`: Qwen3-30B-A3B s3r, "
         "Qwen3-30B-A3B s3r-ec-2way." in tc.markdown_table4(t4)
     )
+
+
+# Table IV's step at small widths: 12 sequences of 40 tokens over fsdp=2 x tp=2 (6 per chip).
+_STEP = dict(n_layers=1, vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96)
+_STEP_BATCH, _STEP_SEQ = 12, 40
+
+
+def _step(preset, pin=True):
+    tpu_compile = _benchmark()
+    overrides = dict(_STEP)
+    if preset == "tiny-moe":
+        del overrides["d_ff"]
+        # top-3 of 8 experts: a chip's 6 x 40 x 3 rows match no global count
+        overrides["moe"] = models.MoEConfig(n_experts=8, top_k=3, d_expert=64)
+    mesh = tpu_mesh({"fsdp": 2, "tp": 2})
+    prog, cfg, batch = tpu_compile.compile_step(
+        "s3r-ec-2way", mesh, preset, 1, _STEP_SEQ, _STEP_BATCH // 4, overrides, pin
+    )
+    assert batch == _STEP_BATCH
+    return tpu_compile, prog, cfg
+
+
+@needs_libtpu
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_v5p_train_step_keeps_the_batch_split(preset):
+    """The compiled training step of a dense and of an MoE model holds only its share of the
+    batch on each chip: attention scores of 6 sequences, 6 x 40 x 3 routed rows, and no
+    buffer of the global batch (the check `benchmarks/tpu_compile.py --parts table4` runs)."""
+    tpu_compile, prog, cfg = _step(preset)
+    bad = tpu_compile.unsplit_activations(prog, cfg, _STEP_BATCH, _STEP_SEQ)
+    assert not bad, bad[:5]
+    shapes = [b.shape for b in prog.buffers()]
+    local = _STEP_BATCH // 2
+    # The float32 attention scores (batch, kv heads / tp, group, seq, seq), in some layout
+    # (a saved residual of the layer scan leads with the layer axis).
+    scores = [b for b in prog.buffers() if b.dtype == "f32" and b.shape.count(_STEP_SEQ) == 2]
+    assert scores and all(local in b.shape for b in scores), scores[:3]
+    assert not any(_STEP_BATCH in b.shape for b in scores), scores[:3]
+    if cfg.moe is not None:
+        rows = local * _STEP_SEQ * cfg.moe.top_k
+        assert any(s and s[0] == rows for s in shapes)  # each chip sorts its own rows
+    with pytest.raises(RuntimeError, match="global batch"):
+        tpu_compile.check_split(prog, cfg, local, _STEP_SEQ, "a step of half the batch")
+
+
+@needs_libtpu
+def test_v5p_unpinned_moe_step_holds_the_global_batch():
+    """Traced without the mesh, the MoE step sorts all 12 x 40 x 3 routed rows on every chip
+    (the expert sort is global) and the check refuses it."""
+    tpu_compile, prog, cfg = _step("tiny-moe", pin=False)
+    rows = _STEP_BATCH * _STEP_SEQ * cfg.moe.top_k
+    assert any(b.shape and b.shape[0] == rows for b in prog.buffers())
+    with pytest.raises(RuntimeError, match="global batch of 12 x 40 tokens"):
+        tpu_compile.check_split(prog, cfg, _STEP_BATCH, _STEP_SEQ, "tiny-moe")

@@ -14,4 +14,9 @@ from ._compile import (
     tpu_mesh as tpu_mesh,
     TPUProgram as TPUProgram,
 )
-from ._hlo import Gemm as Gemm, HloTensor as HloTensor, parse_gemms as parse_gemms
+from ._hlo import (
+    Gemm as Gemm,
+    hlo_buffers as hlo_buffers,
+    HloTensor as HloTensor,
+    parse_gemms as parse_gemms,
+)

@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._buffers import BufferPacking, read_dump
-from ._hlo import Gemm, HloTensor, program_structure
+from ._hlo import Gemm, hlo_buffers, HloTensor, program_structure
 
 
 DEFAULT_TOPOLOGY = "v5p:2x2x1"
@@ -203,6 +203,14 @@ class TPUProgram:
     compile_seconds: float
     hlo: str = dataclasses.field(repr=False)
     packing: BufferPacking | None = None
+
+    def buffers(self) -> tuple[HloTensor, ...]:
+        """Every array the program writes outside fusions, largest (in bytes) first: its
+        per-device shapes show how the SPMD partitioner split each activation (e.g. whether
+        a chip holds only its share of the batch). Read from the optimized HLO (see
+        `s3req.tpu.hlo_buffers`): activations, gradients, collective results, parameter
+        copies; views and the ends of asynchronous copies are left out."""
+        return tuple(hlo_buffers(self.hlo))
 
     def integer_gemms(self) -> tuple[Gemm, ...]:
         """The GEMMs with two integer (`s8`, `s4`, `u8`, ...) operands."""

@@ -308,12 +308,15 @@ class HloTensor:
     - `dtype`: its HLO element type, e.g. `"u32"`.
     - `shape`: its shape (per device under SPMD).
     - `op_name`: JAX's name for the operation that produced it (HLO metadata), or `""`.
+    - `op`: the HLO opcode of the producing instruction (`"fusion"`, `"all-gather"`,
+      `"custom-call"`, ...), or `""`.
     """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     op_name: str
+    op: str = ""
 
     @property
     def elements(self) -> int:
@@ -355,6 +358,53 @@ def _instruction_ops(ins: _Instruction, scope: list[_Instruction]) -> int:
         inputs = refs[: max(1, len(refs) // 2)]  # (inputs..., init values...)
         return sum(math.prod(names[r].types[0][1]) for r in inputs if r in names)
     return sum(math.prod(shape) for _, shape in ins.types)
+
+
+# Instructions whose result is (a view of) buffers that other instructions wrote.
+_ALIASES = frozenset(
+    {
+        "bitcast",
+        "get-tuple-element",
+        "tuple",
+        "while",
+        "conditional",
+        "call",
+        "optimization-barrier",
+        "async-done",
+        "copy-done",
+        "all-gather-done",
+        "all-reduce-done",
+        "collective-permute-done",
+    }
+)
+
+
+def hlo_buffers(hlo: str) -> list[HloTensor]:
+    """Every array that an instruction outside fusions writes, largest (in bytes) first.
+
+    Covers the entry computation and the non-fused computations it calls (loop bodies,
+    branches); fusion bodies and reducers run inside one kernel and write nothing. Views
+    (`bitcast`, `get-tuple-element`, `tuple`, `while`, ...) and the completions of
+    asynchronous copies and collectives (whose buffer the `-start` wrote) are left out; an
+    asynchronous start counts its largest result (the destination). Per device under SPMD.
+    """
+    comps, _ = _computations(hlo)
+    inner = _fused(comps)
+    out = []
+    for comp, instrs in comps.items():
+        if comp in inner:
+            continue
+        for ins in instrs:
+            if ins.op in _ALIASES:
+                continue
+            arrays = [
+                HloTensor(ins.name, t, shape, _op_name(ins), ins.op) for t, shape in ins.types
+            ]
+            if ins.op.endswith("-start") and arrays:  # (source, destination, contexts...)
+                arrays = [max(arrays, key=lambda t: t.nbytes)]
+            out += arrays
+    out.sort(key=lambda t: -t.nbytes)
+    return out
 
 
 def program_structure(hlo: str) -> _Structure:

@@ -80,12 +80,12 @@ class TrainResult:
 
 
 @functools.lru_cache(maxsize=16)
-def _optimizer_and_step(opt_fields: tuple[typing.Any, ...]):
-    """One optimizer and one jitted step per optimizer setting, so that runs in the same
-    process (compare, resume, tests) share compilations."""
+def _optimizer_and_step(opt_fields: tuple[typing.Any, ...], mesh: Mesh | None):
+    """One optimizer and one jitted step per optimizer setting and mesh, so that runs in the
+    same process (compare, resume, tests) share compilations."""
     config = TrainConfig(**dict(zip(_OPT_FIELDS, opt_fields)))
     optimizer, schedule = make_optimizer(config)
-    return optimizer, schedule, make_train_step(optimizer)
+    return optimizer, schedule, make_train_step(optimizer, mesh=mesh)
 
 
 @eqx.filter_jit
@@ -109,6 +109,12 @@ def _to_devices(x: np.ndarray, mesh: Mesh | None) -> jax.Array:
     return jax.make_array_from_callback(x.shape, batch_sharding(mesh), lambda idx: x[idx])
 
 
+def _eval_batch(model, tokens: np.ndarray, mask: np.ndarray, key, mesh: Mesh | None):
+    """`_eval_step` on one host batch, traced under `mesh` (the activations stay split)."""
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        return _eval_step(model, _to_devices(tokens, mesh), _to_devices(mask, mesh), key)
+
+
 def evaluate(
     model: eqx.Module,
     data: TokenData,
@@ -130,7 +136,8 @@ def evaluate(
       evenly over it.
     - `key`: passed to the model's forward pass (which is deterministic). (Keyword only
       argument.)
-    - `mesh`: the mesh of a sharded model (the windows are split over `fsdp`), or `None`.
+    - `mesh`: the mesh of a sharded model (the windows are split over `fsdp`, and the
+      forward pass runs under it, so the activations stay split), or `None`.
 
     **Returns:**
 
@@ -138,7 +145,7 @@ def evaluate(
     """
     total, count = 0.0, 0.0
     for tokens, mask in data.val_batches(batch, seq_len, max_batches):
-        s, c = _eval_step(model, _to_devices(tokens, mesh), _to_devices(mask, mesh), key)
+        s, c = _eval_batch(model, tokens, mask, key, mesh)
         total += float(s)
         count += float(c)
     return total / count
@@ -335,7 +342,7 @@ def train(
     if mesh is not None:
         model = shard_model(model, mesh)
     optimizer, schedule, train_step = _optimizer_and_step(
-        tuple(getattr(config, f) for f in _OPT_FIELDS)
+        tuple(getattr(config, f) for f in _OPT_FIELDS), mesh
     )
     state = init_state(model, optimizer)
     if mesh is not None:
@@ -467,11 +474,8 @@ def train(
             # generator, so the data-RNG state of the checkpoint does not depend on it).
             final_rng = np.random.default_rng([config.seed, config.steps])
             tokens = data.sample_batch(final_rng, config.batch, config.seq_len)
-            s, c = _eval_step(
-                state.model,
-                _to_devices(tokens, mesh),
-                _to_devices(np.ones(config.batch, dtype=bool), mesh),
-                eval_key,
+            s, c = _eval_batch(
+                state.model, tokens, np.ones(config.batch, dtype=bool), eval_key, mesh
             )
             last_val = val_loss(state.model)
             log(

@@ -121,6 +121,7 @@ def make_train_step(
     prepare: Callable[[typing.Any], typing.Any] | None = None,
     apply_updates: Callable[[typing.Any, PyTree, typing.Any], typing.Any] | None = None,
     extra_metrics: Callable[[typing.Any, typing.Any, PyTree], dict[str, Array]] | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> Callable[..., tuple[TrainState, dict[str, Array]]]:
     """The jitted training step: forward, (quantized) backward, optimizer, update.
 
@@ -143,6 +144,12 @@ def make_train_step(
       rounding into bfloat16); default `eqx.apply_updates`.
     - `extra_metrics`: `extra_metrics(old_model, new_model, updates) -> dict of scalars`,
       merged into `metrics`.
+    - `mesh`: the device mesh of a sharded step (e.g. from [`s3req.train.make_mesh`][]), or
+      `None`. The step is traced under it (`jax.sharding.use_abstract_mesh`), so the
+      models keep their activations split over the mesh's batch axes (`fsdp`, `data`) and
+      each data shard routes its own tokens through the MoE experts (see the scaling guide).
+      A step called inside `with jax.set_mesh(mesh):` gets the same without it.
+      (Keyword only argument.)
 
     **Returns:**
 
@@ -152,6 +159,12 @@ def make_train_step(
 
     @eqx.filter_jit
     def step(state: TrainState, tokens, key, update_key=None):
+        if mesh is None:
+            return _step(state, tokens, key, update_key)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return _step(state, tokens, key, update_key)
+
+    def _step(state: TrainState, tokens, key, update_key):
         model = state.model
         work = model if prepare is None else prepare(model)
         grad_fn = eqx.filter_value_and_grad(loss, has_aux=True)
