@@ -254,6 +254,27 @@ def check_split(prog: TPUProgram, cfg, batch: int, seq: int, label: str) -> None
         )
 
 
+def split_facts(prog: TPUProgram, cfg, batch: int, seq: int) -> dict:
+    """What `check_split` asserted on a step, for the page: the global counts no buffer may
+    lead with, and the per-chip shapes of the largest attention-score buffer (float32 with
+    the sequence length twice) and of the largest buffer of expert-sorted rows (leading
+    with a chip's routed rows), or None."""
+    fsdp = prog.mesh.get("fsdp", 1)
+    local_rows = batch // fsdp * seq * (cfg.moe.top_k if cfg.moe is not None else 0)
+    bufs = prog.buffers()
+    scores = [b for b in bufs if b.dtype == "f32" and b.shape.count(seq) == 2]
+    rows = [b for b in bufs if local_rows and b.shape and b.shape[0] == local_rows]
+    return {
+        "batch": batch,
+        "seq": seq,
+        "refused_leading": sorted(
+            {batch * seq} | ({batch * seq * cfg.moe.top_k} if cfg.moe else set())
+        ),
+        "scores": list(scores[0].shape) if scores else None,
+        "rows": [rows[0].dtype, list(rows[0].shape)] if rows else None,
+    }
+
+
 def _commit() -> str:
     """The commit of the engine (`+dirty` when `s3req`, `policies` or `models` differ)."""
     try:
@@ -414,6 +435,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "largest_u32": prog.summary()["largest_u32"],
                     "compile_seconds": prog.compile_seconds,
                     "commit": _commit(),
+                    "split_check": split_facts(prog, cfg, batch, seq),
                 }
                 t4data["meta"] = _meta(kind) | {"mesh": dict(mesh2.shape)}
                 _save(out, "tpu_table4", t4data, markdown_table4)
@@ -988,14 +1010,21 @@ def markdown_table4(s: dict) -> str:
         ops=False,
     )
     first = next(iter(s["models"].values()))
+    chips = 1
+    for v in meta["mesh"].values():
+        chips *= v
+    fsdp = meta["mesh"].get("fsdp", 1)
     cuts = sorted({m["n_layers"] for m in s["models"].values()})
     lines += [
         f"The training step of `experiments/table4_full_step.py` (loss, INT8 backward under "
         "the policy, global-norm clipping, AdamW) compiled for a "
         f"{' x '.join(f'{k}={v}' for k, v in meta['mesh'].items())} mesh of the 4 chips: "
-        "parameters and optimizer state FSDP x TP sharded with `s3req.train`'s rules, the "
-        f"batch on `fsdp`, {first['batch'] // 4} x {first['seq']} tokens per chip "
-        f"({first['batch']} sequences in all), full rematerialisation, bf16 activations. "
+        "parameters and optimizer state FSDP x TP sharded with `s3req.train`'s rules, a "
+        f"global batch of {first['batch']} sequences of {first['seq']} tokens "
+        f"({first['batch'] // chips} per chip in MaxText's `per_device_batch_size` "
+        f"convention: {first['batch']} = {first['batch'] // chips} x {chips} chips) split "
+        f"over `fsdp` only, so each chip holds {first['batch'] // fsdp} sequences with their "
+        "features and heads split over `tp`; full rematerialisation, bf16 activations. "
         f"**Layer cut:** each model keeps its real widths and vocabulary but only "
         f"{' or '.join(map(str, cuts))} layers (the layers column; an MoE model keeps its "
         "dense first layer if it has one and the cut has room for it, and the column counts "
@@ -1031,6 +1060,7 @@ def markdown_table4(s: dict) -> str:
     ]
     if absent and not s["smoke"]:
         lines += ["Not compiled: " + "; ".join(absent) + ".", ""]
+    lines += _split_lines(s, fsdp)
     lines += [
         "Total step memory per chip (GiB; arguments + outputs + temporaries - aliased), and "
         "the engine commit of each row:",
@@ -1068,6 +1098,47 @@ def markdown_table4(s: dict) -> str:
     if (reading := _reading_table4(s)) is not None:
         lines += ["", reading]
     return "\n".join(lines) + "\n"
+
+
+def _split_lines(s: dict, fsdp: int) -> list[str]:
+    """The page's account of the split check (`check_split`) per model."""
+    lines = [
+        "**Split check.** Every row compiled with the check passed `check_split`: no "
+        "per-chip buffer of the optimized HLO (`s3req.tpu.TPUProgram.buffers`) leads with "
+        "the global batch with the sequence length among its other dimensions, nor with the "
+        "global token count or the global count of routed rows (MoE). The per-chip shapes "
+        "it found, from each model's first checked row:",
+        "",
+        "| model | refused leading dims | attention scores (f32, per chip) "
+        "| largest expert-sorted rows buffer (per chip) | rows not checked |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, m in s["models"].items():
+        P_ = m["policies"]
+        checked = [r["split_check"] for p in POLICIES if (r := P_.get(p, {})).get("split_check")]
+        unchecked = [p for p in POLICIES if p in P_ and not P_[p].get("split_check")]
+        c = checked[0] if checked else None
+        lead = (
+            f"{c['batch']} (with {c['seq']}), " + ", ".join(map(str, c["refused_leading"]))
+            if c
+            else "—"
+        )
+        scores = f"`f32[{','.join(map(str, c['scores']))}]`" if c and c["scores"] else "—"
+        rows = f"`{c['rows'][0]}[{','.join(map(str, c['rows'][1]))}]`" if c and c["rows"] else "—"
+        lines.append(f"| {name} | {lead} | {scores} | {rows} | {', '.join(unchecked) or 'none'} |")
+    first = next(iter(s["models"].values()))
+    lines += ["", f"A chip's share is {first['batch'] // fsdp} sequences of each activation."]
+    if any(not r.get("split_check") for m in s["models"].values() for r in m["policies"].values()):
+        lines[-1] += (
+            " Rows not checked were compiled before the models pinned their activations to "
+            "the step's mesh: on the MoE steps GSPMD then held the global batch on every chip "
+            "(Qwen3-30B-A3B: scores `f32[16,2,4096,4096,8]`, all 524288 sorted rows), and on a "
+            "small dense step compiled the same way the forward projections held the whole "
+            "batch (`tests/test_tpu.py` compiles both ways), so their totals are not one "
+            "chip's share of the batch."
+        )
+    lines.append("")
+    return lines
 
 
 def _within(over: list[str], target: str) -> str:

@@ -17,7 +17,7 @@ from s3req import AbstractPolicy, QuantLinear
 from ._config import LlamaConfig, RopeScaling
 from ._ffn import FFN
 from ._moe import MoE
-from ._sharding import shard_batch
+from ._sharding import embed_tokens, shard_batch
 
 
 _F32 = jnp.float32
@@ -343,7 +343,7 @@ class Llama(eqx.Module):
                     "`key=` for every step (e.g. jax.random.fold_in(key, step))."
                 )
         dtype = _dtype(c.compute_dtype)
-        h = shard_batch(jnp.take(self.embed, tokens, axis=0).astype(dtype))
+        h = shard_batch(embed_tokens(self.embed, tokens).astype(dtype))
         cos, sin = _rope_tables(c, S)
         keys = None if key is None else jr.split(key, c.n_layers)
         aux = jnp.zeros((), _F32)

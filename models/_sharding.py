@@ -13,6 +13,7 @@ sets it when given a mesh). Without a mesh, or on a mesh without batch axes, not
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
 
@@ -63,3 +64,39 @@ def shard_batch(x: jax.Array) -> jax.Array:
         return x
     spec = P(axes, *([P.UNCONSTRAINED] * (x.ndim - 1)))
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def embed_tokens(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """`jnp.take(table, tokens, axis=0)` (rows of a `(vocab, d)` table), split over the batch
+    on a mesh.
+
+    Left to the partitioner, the lookup in a table split over its vocabulary gathers every
+    token of the batch on every chip. On a mesh it runs inside `jax.shard_map`: the table is
+    gathered over the batch axes (FSDP) and stays split over `tp`, each chip looks up its
+    own tokens in its vocabulary slice (zero rows elsewhere) and the slices are summed over
+    `tp` (one nonzero term: the rows themselves). A token outside `[0, vocab)` gives NaN
+    rows, as `jnp.take` does."""
+    axes = batch_axes(tokens.shape[0])
+    if not axes:
+        return jnp.take(table, tokens, axis=0)
+    vocab = table.shape[0]
+    tp = tensor_axis(vocab)
+
+    def lookup(table, tokens):
+        if tp is None:
+            return jnp.take(table, tokens, axis=0)
+        n = table.shape[0]
+        local = tokens - jax.lax.axis_index(tp) * n
+        mine = (local >= 0) & (local < n)
+        rows = jnp.take(table, jnp.where(mine, local, 0), axis=0)
+        rows = jax.lax.psum(jnp.where(mine[..., None], rows, 0), tp)
+        valid = (tokens >= 0) & (tokens < vocab)
+        return jnp.where(valid[..., None], rows, jnp.nan)
+
+    batch = P(axes)
+    return jax.shard_map(
+        lookup,
+        mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=(P(tp, None), batch),
+        out_specs=batch,
+    )(table, tokens)
