@@ -363,7 +363,7 @@ _STEP_BATCH, _STEP_SEQ = 12, 40
 
 def _step(preset, pin=True):
     tpu_compile = _benchmark()
-    overrides = dict(_STEP)
+    overrides: dict = dict(_STEP)
     if preset == "tiny-moe":
         del overrides["d_ff"]
         # top-3 of 8 experts: a chip's 6 x 40 x 3 rows match no global count
