@@ -187,7 +187,13 @@ class AbstractLayer(eqx.Module):
 @typing.final
 class Dense(AbstractLayer):
     """`qdot`'s layer: `x (b, s, h) @ w`, `w` stored `(h, d)` or, `transposed`, `(d, h)`.
-    Segments are the examples."""
+    Segments are the examples.
+
+    The products of the error means with `Wq`, `Xq` and the code sums are float32 products
+    (`HIGHEST`: TPU's default precision would round the means to bf16). XLA:TPU reads the
+    int8 operand of an `f32 x s8` product as it is; on XLA:CPU they run on int8 digits of
+    the means (`_kernels_cpu.digits_dot`).
+    """
 
     axes: ShardAxes = eqx.field(static=True)
     transposed: bool = eqx.field(static=True)
@@ -257,7 +263,7 @@ class Dense(AbstractLayer):
     def channel_dx(self, am, wq):
         d_axis = 1 - self._h_axis
         return _per_backend(
-            lambda am, wq: _dot(am, wq, ((1,), (d_axis,)))[:, None, :],
+            lambda am, wq: _dot(am, wq, ((1,), (d_axis,)), precision=_HIGHEST)[:, None, :],
             am,
             wq,
             cpu=lambda am, wq: _kernels_cpu.channel_dx(am, wq, d_axis),
@@ -265,7 +271,7 @@ class Dense(AbstractLayer):
 
     def token_dw(self, xq, eps):
         return _per_backend(
-            lambda xq, eps: _dot(eps, xq, ((0, 1), (0, 1)))[:, None],
+            lambda xq, eps: _dot(eps, xq, ((0, 1), (0, 1)), precision=_HIGHEST)[:, None],
             xq,
             eps,
             cpu=_kernels_cpu.token_dw,
@@ -273,7 +279,10 @@ class Dense(AbstractLayer):
 
     def channel_dw(self, xsum, am):
         return _per_backend(
-            lambda xsum, am: _dot(xsum, am, ((0,), (0,))), xsum, am, cpu=_kernels_cpu.channel_dw
+            lambda xsum, am: _dot(xsum, am, ((0,), (0,)), precision=_HIGHEST),
+            xsum,
+            am,
+            cpu=_kernels_cpu.channel_dw,
         )
 
 

@@ -33,12 +33,20 @@ def check_sum_terms(n: int) -> None:
         )
 
 
-def dot(a: Array, b: Array, contract: tuple, batch: tuple = ((), ())) -> Array:
+def dot(
+    a: Array,
+    b: Array,
+    contract: tuple,
+    batch: tuple = ((), ()),
+    precision: jax.lax.Precision | None = None,
+) -> Array:
     """`dot_general` of codes as their dtypes say: int8 x int8 with int32 sums (exact), else
-    float32 (an int8 operand converted)."""
+    float32 (an int8 operand converted) at `precision`: the backend's default for the GEMMs
+    of low-precision codes (exact in bf16), `HIGHEST` for float32 statistics."""
     if a.dtype == b.dtype == jnp.int8:
         return jax.lax.dot_general(a, b, (contract, batch), preferred_element_type=_I32)
-    return jax.lax.dot_general(a.astype(_F32), b.astype(_F32), (contract, batch))
+    dims = (contract, batch)
+    return jax.lax.dot_general(a.astype(_F32), b.astype(_F32), dims, precision=precision)
 
 
 def split_sum(parts: Int[Array, "k ..."]) -> Float[Array, "..."]:

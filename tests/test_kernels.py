@@ -26,7 +26,7 @@ from s3req import qdot
 from s3req._kernels_cpu import code_sums, SUM_ALIGN
 from s3req._qdot import qdot_t
 
-from .helpers import ALL_POLICIES, policy_id
+from .helpers import ALL_POLICIES, dot_eqns, policy_id
 
 
 def _grads(policy, x, w, g, key, kernels, transposed=False):
@@ -77,6 +77,27 @@ def test_cpu_kernel_agrees_with_reference(policy, shape, getkey):
     auto = _grads(policy, x, w, g, key, "auto")
     for a, b in zip(auto, cpu):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_reference_statistic_products_are_float32(transposed):
+    """The reference path (what a TPU program runs for the dense layer) takes the products of
+    the error means with `Wq`, `Xq` and the code sums at `Precision.HIGHEST`: at TPU's
+    default precision a float32 operand is rounded to bf16 (XLA:CPU computes float32 either
+    way, so only the traced precision can be checked here). The layer GEMMs are int8."""
+    policy = Policy(Phi2D(), TwoWayEC())
+    x = jax.ShapeDtypeStruct((2, 16, 32), jnp.float32)
+    w = jax.ShapeDtypeStruct((48, 32) if transposed else (32, 48), jnp.float32)
+    g = jax.ShapeDtypeStruct((2, 16, 48), jnp.float32)
+    key = jax.ShapeDtypeStruct((), jr.key(0).dtype)
+    eqns = dot_eqns(
+        lambda x, w, g, k: _grads(policy, x, w, g, k, "reference", transposed), x, w, g, key
+    )
+    floats = [e for e in eqns if any(v.aval.dtype != jnp.int8 for v in e.invars)]
+    assert len(eqns) - len(floats) == 3 and len(floats) == 3  # channel dX, token dW, channel dW
+    highest = jax.lax.Precision.HIGHEST
+    for e in floats:
+        assert e.params["precision"] in (highest, (highest, highest)), e
 
 
 def test_kernels_agree_for_transposed_weights(getkey):
