@@ -229,13 +229,18 @@ def unsplit_activations(prog: TPUProgram, cfg, batch: int, seq: int) -> list[Hlo
     or the global token count `batch * seq` (the flattened tokens of an MoE block), or the
     global count of routed rows `batch * seq * top_k` (the expert-sorted rows). On a mesh
     that splits the batch over `fsdp` every chip should hold `batch / fsdp` sequences of
-    each activation instead."""
+    each activation instead. Buffers made inside `jax.shard_map` are left out: there every
+    shape is one shard's by construction, and a count can only match by coincidence (the
+    TPU segment sums slice a chip's rows into chunks of 65536, DeepSeek-V2-Lite's global
+    token count)."""
     tokens = batch * seq
     flat = {tokens} | ({tokens * cfg.moe.top_k} if cfg.moe is not None else set())
     return [
         b
         for b in prog.buffers()
-        if b.shape and ((b.shape[0] == batch and seq in b.shape[1:]) or b.shape[0] in flat)
+        if b.shape
+        and "shard_map" not in b.op_name
+        and ((b.shape[0] == batch and seq in b.shape[1:]) or b.shape[0] in flat)
     ]
 
 
