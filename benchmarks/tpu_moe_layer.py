@@ -12,14 +12,22 @@ v5p 2x2x1 (no TPU is used; needs libtpu, `pip install "s3req[tpu]"`). Two layout
   (`ShardAxes(batch="data")`; the error-correction sums over `(example, expert)` segments are
   `psum`med over the chips);
 - `jit`: the rows sharded over the chips by `jax.jit` (`NamedSharding`), one global
-  `group_sizes`, as the Table IV step compiles the MoE block.
+  `group_sizes` (XLA then computes the ragged GEMMs on all rows on every chip);
+- `shard_map_tp`: the chips as `data=2 x tp=2`, each `data` shard holding the rows of two
+  chips inside `shard_map`, the features split over `tp` as the FFN splits them (`up`
+  column-parallel, `ShardAxes(batch="data", d_out="tp")`; `down` row-parallel, `d_in="tp"`),
+  as Table IV's step lays out the MoE block.
 
-Per policy: XLA's `temporaries` and `peak` (MiB per chip) and, with `--buffers K`, the `K`
-largest buffers of the optimized HLO outside fusions (shape, dtype, the JAX op that made
-them).
+Per policy: XLA's `temporaries` and `peak` (MiB per chip), with `--packing` the heap of
+temporaries and the most of it live at one instruction (`s3req.tpu.BufferPacking`), and
+with `--buffers K` the `K` largest buffers of the optimized HLO outside fusions (shape,
+dtype, the JAX op that made them). `--kernels reference` traces the reference forms of the
+error-correction statistics in place of the TPU ones (`s3req._backward.KERNELS`); `--seq`
+sets fewer tokens per sequence for quicker compiles.
 
     python benchmarks/tpu_moe_layer.py                        # up and down, shard_map
     python benchmarks/tpu_moe_layer.py --gemms up --policies rtne,s3r-ec-2way --buffers 12
+    python benchmarks/tpu_moe_layer.py --mode shard_map_tp --policies s3r,s3r-ec-2way --packing
     python benchmarks/tpu_moe_layer.py --smoke                # small shapes (a test)
 """
 
@@ -37,6 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import s3req._backward as backward  # noqa: E402
 from policies import PRESETS  # noqa: E402
 from s3req import qragged_dot, ShardAxes  # noqa: E402
 from s3req.tpu import compile_for_tpu, tpu_mesh  # noqa: E402
@@ -50,19 +59,36 @@ GEMMS = {"up": (D_MODEL, D_EXPERT), "down": (D_EXPERT, D_MODEL)}
 
 
 def compile_gemm(
-    policy_name: str, mesh, h: int, d: int, per_chip: int, seq: int, experts: int, mode: str
+    policy_name: str,
+    mesh,
+    h: int,
+    d: int,
+    per_chip: int,
+    seq: int,
+    experts: int,
+    mode: str,
+    packing: bool = False,
+    tp_role: str = "d_out",
 ):
-    """The `TPUProgram` of `qragged_dot` fwd + bwd on `per_chip * seq * TOP_K` rows per chip."""
+    """The `TPUProgram` of `qragged_dot` fwd + bwd on `per_chip * seq * TOP_K` rows per chip
+    (`shard_map`, `jit`), or on twice that per `data` shard with the features split over
+    `tp` in the role `tp_role` (`shard_map_tp`, a mesh `{"data": 2, "tp": 2}`)."""
     policy = PRESETS[policy_name]
     chips = mesh.devices.size
-    n = per_chip * seq * TOP_K  # rows per chip
+    total = per_chip * chips * seq * TOP_K  # rows of all chips
     B = per_chip * chips
     key = jax.ShapeDtypeStruct((), jr.key(0).dtype)
-    rows = NamedSharding(mesh, P("data"))
-    x = jax.ShapeDtypeStruct((n * chips, h), jnp.bfloat16, sharding=rows)
-    g = jax.ShapeDtypeStruct((n * chips, d), jnp.bfloat16, sharding=rows)
-    w = jax.ShapeDtypeStruct((experts, h, d), jnp.float32)
-    ids = jax.ShapeDtypeStruct((n * chips,), jnp.int32, sharding=rows)
+    tp = "tp" if mode == "shard_map_tp" else None
+    x_cols = tp if tp_role == "d_in" else None
+    w_spec = P(None, tp, None) if tp_role == "d_in" else P(None, None, tp)
+    g_cols = tp if tp_role == "d_out" else None
+    sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(
+        shape, dtype, sharding=NamedSharding(mesh, spec)
+    )
+    x = sds((total, h), jnp.bfloat16, P("data", x_cols))
+    g = sds((total, d), jnp.bfloat16, P("data", g_cols))
+    w = sds((experts, h, d), jnp.float32, w_spec if tp else P())
+    ids = sds((total,), jnp.int32, P("data"))
 
     def fwd_bwd(x, w, g, gs, row_id, key, axes=None):
         def f(x, w):
@@ -81,38 +107,57 @@ def compile_gemm(
         y, vjp = jax.vjp(f, x, w)
         return y, vjp(g)
 
+    run = lambda fn, gs: compile_for_tpu(
+        fn, x, w, g, gs, ids, key, mesh=mesh, upstream=[g], buffers=packing
+    )
     if mode == "jit":
-        gs = jax.ShapeDtypeStruct((experts,), jnp.int32)
-        return compile_for_tpu(fwd_bwd, x, w, g, gs, ids, key, mesh=mesh, upstream=[g])
-    gs = jax.ShapeDtypeStruct((experts * chips,), jnp.int32, sharding=rows)
-    axes = ShardAxes(batch="data")
-    d_ = P("data")
+        return run(fwd_bwd, jax.ShapeDtypeStruct((experts,), jnp.int32))
+    shards = mesh.shape["data"]
+    gs = sds((experts * shards,), jnp.int32, P("data"))
+    axes = ShardAxes(batch="data", **({tp_role: tp} if tp else {}))
+    rows = P("data")
+    xs, gsp, ws = P("data", x_cols), P("data", g_cols), w_spec if tp else P()
     inner = jax.shard_map(
         lambda x, w, g, gs, r, k: fwd_bwd(x, w, g, gs, r, k, axes),
         mesh=mesh,
-        in_specs=(d_, P(), d_, d_, d_, P()),
-        out_specs=(d_, (d_, P())),
+        in_specs=(xs, ws, gsp, rows, rows, P()),
+        out_specs=(gsp, (xs, ws)),
     )
-    return compile_for_tpu(inner, x, w, g, gs, ids, key, mesh=mesh, upstream=[g])
+    return run(inner, gs)
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--gemms", default="up,down")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--mode", choices=("shard_map", "jit"), default="shard_map")
+    ap.add_argument("--mode", choices=("shard_map", "jit", "shard_map_tp"), default="shard_map")
+    ap.add_argument(
+        "--kernels",
+        choices=("auto", "reference", "tpu"),
+        default="auto",
+        help="the statistics forms traced (s3req._backward.KERNELS; auto: the TPU ones)",
+    )
     ap.add_argument("--buffers", type=int, default=0, help="list the K largest buffers")
     ap.add_argument("--smoke", action="store_true", help="small shapes (a test of the script)")
+    ap.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence (fewer rows)")
+    ap.add_argument(
+        "--packing", action="store_true", help="also read the heap and its busiest instruction"
+    )
     ap.add_argument("--hlo", default="", help="write each optimized HLO under this folder")
     ap.add_argument("--json", default="", help="write the results to this file")
     args = ap.parse_args(argv)
-    mesh = tpu_mesh(topology=TOPOLOGY)
-    per_chip, seq, experts = (1, 256, 16) if args.smoke else (PER_CHIP, SEQ, EXPERTS)
+    backward.KERNELS = args.kernels
+    axes = {"data": 2, "tp": 2} if args.mode == "shard_map_tp" else None
+    mesh = tpu_mesh(axes, topology=TOPOLOGY)
+    per_chip, seq, experts = (1, 256, 16) if args.smoke else (PER_CHIP, args.seq, EXPERTS)
     results = {}
     for gemm in args.gemms.split(","):
         h, d = (256, 128) if args.smoke else GEMMS[gemm]
         for p in args.policies.split(","):
-            prog = compile_gemm(p, mesh, h, d, per_chip, seq, experts, args.mode)
+            role = "d_out" if gemm == "up" else "d_in"  # column / row parallel, as the FFN
+            prog = compile_gemm(
+                p, mesh, h, d, per_chip, seq, experts, args.mode, args.packing, role
+            )
             m = prog.memory
             row = {
                 "temporaries_mib": m.temporaries / 2**20,
@@ -121,6 +166,10 @@ def main(argv: list[str] | None = None) -> dict:
                 "integer_gemms": len(prog.integer_gemms()),
                 "compile_s": prog.compile_seconds,
             }
+            if prog.packing is not None:
+                row["heap_mib"] = prog.packing.heap / 2**20
+                row["live_mib"] = prog.packing.live / 2**20
+                row["live_at"] = prog.packing.live_at
             results[f"{gemm}/{p}"] = row
             print(
                 f"{gemm:5s} {p:12s} temporaries {row['temporaries_mib']:9.1f} MiB  "
@@ -128,6 +177,12 @@ def main(argv: list[str] | None = None) -> dict:
                 f"int GEMMs {row['integer_gemms']}  ({prog.compile_seconds:.0f} s)",
                 flush=True,
             )
+            if prog.packing is not None:
+                print(
+                    f"      heap {row['heap_mib']:9.1f} MiB  live {row['live_mib']:9.1f} MiB "
+                    f"at {row['live_at']}",
+                    flush=True,
+                )
             if args.hlo:
                 folder = pathlib.Path(args.hlo)
                 folder.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ class TwoWayEC(AbstractCorrection):
     """
 
     def correct(self, terms, dx, dw):
-        dx = dx - terms.dx_token() - terms.dx_channel()
+        dx = dx - terms.dx_structured()
         return dx, dw - terms.dw_token() - terms.dw_channel()
 
 

@@ -169,11 +169,25 @@ class AbstractLayer(eqx.Module):
 
     @abc.abstractmethod
     def weight_row_sums(self, wq: Array) -> Array:
-        """`Wq 1_D` for the expert of every row, broadcastable to `(rows, h)`."""
+        """`Wq 1_D` of every expert (float32)."""
+
+    @abc.abstractmethod
+    def token_dx(self, eps: Array, rw: Array) -> Array:
+        """`eps * (Wq 1_D)` of every row, its token mean times the row sums `rw`
+        (`weight_row_sums`, all shards) of its expert, broadcastable to `(rows, h)`."""
 
     @abc.abstractmethod
     def channel_dx(self, am: Array, wq: Array) -> Array:
-        """`(a - m) Wq^T` of every row's segment, broadcastable to `(rows, h)`."""
+        """`(a - m) Wq^T` of every segment."""
+
+    @abc.abstractmethod
+    def segment_dx(self, v: Array) -> Array:
+        """The values `v` of every segment (`channel_dx`, all shards) for every row,
+        broadcastable to `(rows, h)`."""
+
+    @abc.abstractmethod
+    def structured_dx(self, eps: Array, rw: Array, v: Array) -> Array:
+        """`token_dx(eps, rw) + segment_dx(v)`: both dX terms of every row."""
 
     @abc.abstractmethod
     def token_dw(self, xq: Array, eps: Array) -> Array:
@@ -260,6 +274,9 @@ class Dense(AbstractLayer):
             cpu=lambda wq: _kernels_cpu.weight_row_sums(wq, d_axis),
         )
 
+    def token_dx(self, eps, rw):
+        return eps[..., None] * rw
+
     def channel_dx(self, am, wq):
         d_axis = 1 - self._h_axis
         return _per_backend(
@@ -268,6 +285,12 @@ class Dense(AbstractLayer):
             wq,
             cpu=lambda am, wq: _kernels_cpu.channel_dx(am, wq, d_axis),
         )
+
+    def segment_dx(self, v):
+        return v
+
+    def structured_dx(self, eps, rw, v):
+        return self.token_dx(eps, rw) + v
 
     def token_dw(self, xq, eps):
         return _per_backend(
@@ -294,8 +317,9 @@ class Ragged(AbstractLayer):
     Inside `jax.shard_map` the `batch`/`seq` roles split the rows (each shard holds its own
     rows, `group_sizes`, and their global ids), `d_in` and `d_out` the features.
 
-    The segment sums and `Xq_e^T eps_e` are `jax.ops.segment_sum`s here; on TPU they run as
-    ragged contractions (`_kernels_tpu.py`).
+    The segment sums and `Xq_e^T eps_e` are `jax.ops.segment_sum`s here and the dX terms of
+    the error correction gathers of per-expert and per-segment values; on TPU the sums run as
+    ragged contractions and both dX terms as one ragged product (`_kernels_tpu.py`).
     """
 
     group_sizes: Int[Array, " e"]
@@ -372,14 +396,30 @@ class Ragged(AbstractLayer):
         return jnp.maximum(count, 1.0)
 
     def weight_row_sums(self, wq):
-        return _sum(wq, 2)[self._expert]
+        return _sum(wq, 2)
+
+    def token_dx(self, eps, rw):
+        return eps[:, None] * rw[self._expert]
 
     def channel_dx(self, am, wq):
         B, E = self.num_examples, self._experts
         per_segment = jnp.einsum(
             "bed,ehd->beh", am.reshape(B, E, -1), wq.astype(_F32), precision=_HIGHEST
         )
-        return per_segment.reshape(B * E, -1)[self._segment]
+        return per_segment.reshape(B * E, -1)
+
+    def segment_dx(self, v):
+        return v[self._segment]
+
+    def structured_dx(self, eps, rw, v):
+        B, example, gs = self.num_examples, self.example_id, self.group_sizes
+        return _per_backend(
+            lambda eps, rw, v: self.token_dx(eps, rw) + self.segment_dx(v),
+            eps,
+            rw,
+            v,
+            tpu=lambda eps, rw, v: _kernels_tpu.structured_dx(eps, rw, v, example, B, gs),
+        )
 
     def token_dw(self, xq, eps):
         expert, E, gs = self._expert, self._experts, self.group_sizes
@@ -465,14 +505,24 @@ class _ErrorTerms(AbstractErrorTerms):
         segments = step * ax.psum(layer.segment_sums(q), *layer.segment_roles) - gp_segments
         return rows, segments
 
+    @ft.cached_property
+    def _weight_row_sums(self):
+        return self.layer.axes.psum(self.layer.weight_row_sums(self.wq), "d_out")
+
+    def _channel_dx(self, am):
+        return self.layer.axes.psum(self.layer.channel_dx(am, self.wq), "d_out")
+
     def dx_token(self):
         eps, _ = self._means("dx")
-        rw = self.layer.axes.psum(self.layer.weight_row_sums(self.wq), "d_out")
-        return eps[..., None] * rw
+        return self.layer.token_dx(eps, self._weight_row_sums)
 
     def dx_channel(self):
         _, am = self._means("dx")
-        return self.layer.axes.psum(self.layer.channel_dx(am, self.wq), "d_out")
+        return self.layer.segment_dx(self._channel_dx(am))
+
+    def dx_structured(self):
+        eps, am = self._means("dx")
+        return self.layer.structured_dx(eps, self._weight_row_sums, self._channel_dx(am))
 
     def dw_token(self):
         eps, _ = self._means("dw")

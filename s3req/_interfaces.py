@@ -85,6 +85,12 @@ class AbstractErrorTerms(abc.ABC):
         through the dX GEMM."""
 
     @abc.abstractmethod
+    def dx_structured(self) -> Float[Array, "..."]:
+        """$\\varepsilon\\, (W_q 1_D)^\\top + (a - m)\\, W_q^\\top$: the whole of $P$ through the
+        dX GEMM, `dx_token() + dx_channel()` as one term (which the engine may form in one
+        pass)."""
+
+    @abc.abstractmethod
     def dw_token(self) -> Float[Array, "..."]:
         """$X_q^\\top \\varepsilon\\, 1_D^\\top$: the token means through the dW GEMM."""
 

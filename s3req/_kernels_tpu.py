@@ -16,18 +16,32 @@ floats): XLA computes both operands inside the contraction. `Xq_e^T eps_e` is an
 contraction of `Xq` with `EPS_DIGITS` signed base-128 int8 digits of `eps` (`int8_digits`),
 exact in int32, the digits' remainder below float32 precision.
 
-Measured with `benchmarks/tpu_moe_layer.py` (Qwen3-30B-A3B's expert GEMMs, 131072 rows per
-chip inside `shard_map`, v5p 2x2x1), two-way EC over S3R in MiB per chip, temporaries / peak:
+The two dX terms of two-way EC, `eps * (Wq_e 1_D)` and `(a - m)_(b, e) Wq_e^T` of every row,
+are one float32 ragged product (`structured_dx`) of the rows `[eps, one-hot of the example]`
+with every expert's `(1 + B, h)` matrix of its row sums and its segments' channel terms. The
+reference gathers both per row (`rw[expert]`, `v[segment]`): XLA:TPU runs a gather as its own
+kernel and writes an `(n, h)` float32 array for each; the row sums' gather depends only on
+the weights and the routing, so XLA computes it early and keeps it until the dX correction.
+The product writes one such array, after the statistics it needs. (The engine adds the shard
+sums of the `(E, h)` row sums and of the `(segments, h)` channel terms, never of a per-row
+array.)
 
-| forms | up `(n, 2048) @ (128, 2048, 768)` | down `(n, 768) @ (128, 768, 2048)` |
+Measured with `benchmarks/tpu_moe_layer.py --mode shard_map_tp --packing` (Qwen3-30B-A3B's
+expert GEMMs laid out as Table IV's step: v5p 2x2x1 as `data=2 x tp=2`, 262144 rows per
+`data` shard, `up` column-parallel (`d_out = tp`), `down` row-parallel (`d_in = tp`), as the
+FFN), two-way EC over S3R in MiB per chip, temporaries / XLA's peak (S3R: up 5445 / 7682,
+down 4217 / 7412):
+
+| forms (`--kernels`) | up `(n, 2048) @ (128, 2048, 768)` | down `(n, 768) @ (128, 768, 2048)` |
 | --- | --- | --- |
-| reference | +3250 / +1432 | +2845 / +22 |
-| these | +1310 / +1240 | +1836 / +1804 |
-| these segment sums, reference `Xq^T eps` | +3310 / +1448 | +1836 / +1805 |
-| reference segment sums, these `Xq^T eps` | +2941 / +1368 | +2169 / +794 |
+| reference | +5109 / +1990 | +538 / -11 |
+| these | +73 / +837 | +3253 / +1107 |
+| these, the dX terms gathered as the reference | +2462 / +2294 | +3669 / +1429 |
+| reference, these dX terms | +3133 / +154 | +119 / +84 |
 
-Together these forms save the most temporaries at both GEMMs; at the down GEMM (`d = 2048`)
-the ragged contractions of the segment sums raise the peak, which stays open.
+These forms save the most temporaries at the up GEMM. At the down GEMM (`d = 2048`) the
+segment sums of `E` as ragged contractions write `E` and its row chunks (`SEGMENT_CHUNK`) to
+memory, 4 GiB here, which stays open.
 
 XLA:TPU computes a ragged contraction (contracting the rows) as a masked convolution over
 all experts, and besides the `(E, rows)` mask it uses it writes an `(E, rows, 1)` boolean
@@ -40,10 +54,7 @@ Qwen3-30B-A3B step (`benchmarks/tpu_compile.py --parts table4 --layers 1`, fsdp=
 at two-way EC's busiest instruction. Over S3R (heap 35.81 GiB, 34.86 GiB live at the
 busiest instruction) two-way EC took a heap of 49.32 GiB, 46.69 GiB live; with the chunks
 42.82 GiB, 40.12 GiB live, and XLA's peak 47.09 GiB (S3R 41.82; unchunked 53.65 in
-`docs/results/tpu_table4.md`). What stays live there beyond S3R is mostly two `(n, h)` float32
-gathers of the experts' weight row sums (`Ragged.weight_row_sums`, 2 GiB each at
-`h = 1024` per chip) that XLA computes early, from the weights alone, and keeps until the dX
-correction.
+`docs/results/tpu_table4.md`).
 
 On XLA:CPU the ragged contractions run masked over all experts, slower than the reference
 forms, so CPU runs the reference. `_backward.Ragged` chooses per backend (`_per_backend`);
@@ -55,7 +66,7 @@ Every function takes and returns local (per-shard) values: the engine adds the s
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Int8, Shaped
 
-from ._gemms import check_sum_terms, ragged_row_chunks, ragged_token_contraction
+from ._gemms import check_sum_terms, ragged, ragged_row_chunks, ragged_token_contraction
 
 
 _F32 = jnp.float32
@@ -120,3 +131,21 @@ def token_dw(
     digits, weights = int8_digits(eps)
     parts = ragged_token_contraction(xq, digits, group_sizes)  # (E, h, digits)
     return jnp.sum(parts * weights[None, None, :], axis=2, keepdims=True)
+
+
+def structured_dx(
+    eps: Float[Array, " n"],
+    rw: Float[Array, "e h"],
+    v: Float[Array, "segments h"],
+    example_id: Int[Array, " n"],
+    num_examples: int,
+    group_sizes: Int[Array, " e"],
+) -> Float[Array, "n h"]:
+    """`eps * rw[expert] + v[example * E + expert]` of every row, both error-correction
+    terms of dX in one float32 ragged product: the rows `[eps, one-hot of the example]`
+    `(n, 1 + B)` against every expert's `[rw_e; v_(0, e); ...; v_(B-1, e)]` `(1 + B, h)`."""
+    E = group_sizes.shape[0]
+    per_expert = jnp.swapaxes(v.reshape(num_examples, E, -1), 0, 1)  # (E, B, h)
+    rhs = jnp.concatenate([rw[:, None, :], per_expert], axis=1)
+    lhs = jnp.concatenate([eps[:, None], _examples(example_id, num_examples, _F32)], axis=1)
+    return ragged(lhs, rhs, group_sizes, ((1,), (1,)), True)

@@ -2,16 +2,20 @@
 
 `KERNELS="tpu"` traces the TPU forms on this CPU (`s3req/_kernels_tpu.py`): segment sums as
 ragged contractions with the one-hot of the examples, `Xq_e^T eps_e` from int8 digits of
-`eps`. Where the statistics are not used (no error correction) or only the row sums are
-(`DxOnlyEC`: `eps` comes from the same row sums in both), the arithmetic is the same and the
-gradients agree bit for bit. Two-way EC differs in two places:
+`eps`, both dX terms as one float32 ragged product. Where the statistics are not used (no
+error correction) or only the row sums are (`DxOnlyEC`: `eps` comes from the same row sums
+in both), the arithmetic is the same and the gradients agree bit for bit. Two-way EC differs
+in three places:
 
 - the segment sums of `E` and of `eps` are float32 sums of the `k` rows of a segment in
   another order: each is within `(k - 1) 2**-24` of the sum of its terms' magnitudes from
   the exact sum (here `k <= 8` rows per segment, so below `2**-21`), two orders within
   twice that;
 - `Xq_e^T eps_e` takes `eps` to within `2**-24 |eps| + 2**-25 max|eps|` (`int8_digits`),
-  against one float32 rounding per product and the same sum bound in the reference.
+  against one float32 rounding per product and the same sum bound in the reference;
+- the dX terms `eps rw + (a - m) Wq^T` are one product of `[eps, one-hot]` with `[rw; ...]`
+  (at most two roundings of `2**-24`, of the product and of the sum) where the reference
+  rounds the product and the sum apart.
 
 Each correction term is a product of these statistics with int8 codes (`Wq`, `Xq`), so it
 differs by at most `2**-18` of the same product taken with magnitudes, and the magnitudes of
@@ -19,7 +23,7 @@ the corrections are at most that of the error they remove, at most half a gradie
 element: below the gradient's largest entry. So the corrected gradients agree to within
 `2**-18` of their largest entry; the test asserts `2**-16` (a 4x margin for the float32
 rescaling of the sums and the final `1 / s_x`, `1 / s_w`). The measured gap is near
-`2**-25` for dW, and dX agrees bit for bit at this shape.
+`2**-25` for dX and dW.
 """
 
 import jax

@@ -221,8 +221,9 @@ def test_jaxpr_int8_ragged_gemms(policy, kernels, monkeypatch):
     int32, and (policies that quantize once) one int8 gradient feeds both backward GEMMs.
     The reference's error correction adds no ragged contraction (its segment sums are
     `segment_sum`s); the TPU kernel's only thin ones over the rows (against the one-hot of
-    the examples or the digits of the token means), and no scatter-add of a full-size array
-    (on TPU a scatter writes its operand to memory)."""
+    the examples or the digits of the token means) and, for two-way EC, one float32 product
+    of `(n, 1 + B)` rows with every expert's `(1 + B, h)` terms (both dX terms), and no
+    scatter-add of a full-size array (on TPU a scatter writes its operand to memory)."""
     monkeypatch.setattr(backward, "KERNELS", kernels)
     n, E, H, D, B = 24, 3, 16, 12, 2
     sds = jax.ShapeDtypeStruct
@@ -242,7 +243,11 @@ def test_jaxpr_int8_ragged_gemms(policy, kernels, monkeypatch):
     eqns = [e for e in all_eqns if e.primitive.name == "ragged_dot_general"]
     shape = lambda v: v.aval.shape  # pyright: ignore
     layer = {(n, D): "forward", (n, H): "dx", (E, H, D): "dw"}
-    gemms = {layer[shape(e.outvars[0])]: e for e in eqns if shape(e.outvars[0]) in layer}
+    gemms = {
+        layer[shape(e.outvars[0])]: e
+        for e in eqns
+        if shape(e.outvars[0]) in layer and e.invars[0].aval.dtype == jnp.int8  # pyright: ignore
+    }
     assert sorted(gemms) == ["dw", "dx", "forward"]
     for e in gemms.values():
         assert [v.aval.dtype for v in e.invars[:2]] == [jnp.int8, jnp.int8]  # pyright: ignore
@@ -254,7 +259,18 @@ def test_jaxpr_int8_ragged_gemms(policy, kernels, monkeypatch):
     if isinstance(policy.correction, NoEC) or kernels == "reference":
         assert statistics == []
         return
+    structured = [
+        e for e in statistics if e.params["ragged_dot_dimension_numbers"].rhs_group_dimensions
+    ]
+    if isinstance(policy.correction, TwoWayEC):
+        (e,) = structured  # both dX terms in one product
+        assert [shape(v) for v in e.invars[:2]] == [(n, 1 + B), (E, 1 + B, H)]
+        assert [v.aval.dtype for v in e.invars[:2]] == [jnp.float32] * 2  # pyright: ignore
+    else:
+        assert structured == []
     for e in statistics:
+        if e in structured:
+            continue
         dn = e.params["ragged_dot_dimension_numbers"]
         assert list(dn.lhs_ragged_dimensions) == [0] and not dn.rhs_group_dimensions
         thin = max(B, EPS_DIGITS)  # the example one-hot, or the digits of the token means
