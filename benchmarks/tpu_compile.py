@@ -232,13 +232,16 @@ def unsplit_activations(prog: TPUProgram, cfg, batch: int, seq: int) -> list[Hlo
     each activation instead. Buffers made inside `jax.shard_map` are left out: there every
     shape is one shard's by construction, and a count can only match by coincidence (the
     TPU segment sums slice a chip's rows into chunks of 65536, DeepSeek-V2-Lite's global
-    token count)."""
+    token count), and so are the compiler's own copies (no JAX metadata): a copy is judged by
+    the buffer it copies (the EC's per-row sums of such a chunk, `f32[65536,1]`, are copied
+    outside the `shard_map` scope)."""
     tokens = batch * seq
     flat = {tokens} | ({tokens * cfg.moe.top_k} if cfg.moe is not None else set())
     return [
         b
         for b in prog.buffers()
         if b.shape
+        and b.op_name
         and "shard_map" not in b.op_name
         and ((b.shape[0] == batch and seq in b.shape[1:]) or b.shape[0] in flat)
     ]
