@@ -385,8 +385,9 @@ def hlo_buffers(hlo: str) -> list[HloTensor]:
 
     Covers the entry computation and the non-fused computations it calls (loop bodies,
     branches); fusion bodies and reducers run inside one kernel and write nothing. Views
-    (`bitcast`, `add-dependency`, `get-tuple-element`, `tuple`, `while`, ...) and the completions of
-    asynchronous copies and collectives (whose buffer the `-start` wrote) are left out; an
+    (`bitcast`, `add-dependency`, `get-tuple-element`, `tuple`, `while`, ...) and the
+    completions of asynchronous copies and collectives (whose buffer the `-start` wrote)
+    are left out; an
     asynchronous start counts its largest result (the destination). Per device under SPMD.
     """
     comps, _ = _computations(hlo)
