@@ -1022,7 +1022,7 @@ def markdown_table4(s: dict) -> str:
     for v in meta["mesh"].values():
         chips *= v
     fsdp = meta["mesh"].get("fsdp", 1)
-    cuts = sorted({m["n_layers"] for m in s["models"].values()})
+    cut = {n: m for n, m in s["models"].items() if not _full_depth(m)}
     lines += [
         f"The training step of `experiments/table4_full_step.py` (loss, INT8 backward under "
         "the policy, global-norm clipping, AdamW) compiled for a "
@@ -1033,24 +1033,21 @@ def markdown_table4(s: dict) -> str:
         f"convention: {first['batch']} = {first['batch'] // chips} x {chips} chips) split "
         f"over `fsdp` only, so each chip holds {first['batch'] // fsdp} sequences with their "
         "features and heads split over `tp`; full rematerialisation, bf16 activations. "
-        f"**Layer cut:** each model keeps its real widths and vocabulary but only "
-        f"{' or '.join(map(str, cuts))} layers (the layers column; an MoE model keeps its "
-        "dense first layer if it has one and the cut has room for it, and the column counts "
-        "its MoE layers), so totals are not the full models' and only differences between "
-        "policies transfer. Memory per chip; the paper's figures are for the full models on "
-        "v5p (XLA's compile-time estimate, as here).",
+        + _depth_text(s["models"], cut)
+        + " Memory per chip; the paper's figures are for the full models on v5p (XLA's "
+        "compile-time estimate, as here).",
         "",
     ]
-    if len(cuts) > 1:
+    if len({m["n_layers"] for m in cut.values()}) > 1:
         secs = {
             n: max(r.get("compile_seconds", 0) for r in m["policies"].values())
-            for n, m in s["models"].items()
+            for n, m in cut.items()
         }
         lines += [
             "The cuts differ between models ("
             + ", ".join(
                 f"{n}: {m['n_layers']} layers, compiled in up to {secs[n] / 60:.0f} min"
-                for n, m in s["models"].items()
+                for n, m in cut.items()
             )
             + "; the deeper cut of a model did not fit the time of the session that compiled "
             "it). The step rematerialises every layer, so its backward recomputes and "
@@ -1084,8 +1081,8 @@ def markdown_table4(s: dict) -> str:
         "",
         *_step_table(s, pols, "temporaries"),
         "",
-        "Differences (GB), each as total / peak, ours for the cut beside the paper's for the "
-        f"full model (targets: S3R = RTNE; two-way - S3R <= +{PAPER_TWO_WAY_STEP_GB} GB on a "
+        "Differences (GB), each as total / peak, ours beside the paper's for the full model "
+        f"(targets: S3R = RTNE; two-way - S3R <= +{PAPER_TWO_WAY_STEP_GB} GB on a "
         f"dense step; an MoE step's EC surplus within {TARGET_MOE_RATIO:.0f}x of the dense "
         "steps'):",
         "",
@@ -1106,6 +1103,31 @@ def markdown_table4(s: dict) -> str:
     if (reading := _reading_table4(s)) is not None:
         lines += ["", reading]
     return "\n".join(lines) + "\n"
+
+
+def _full_depth(m: dict) -> bool:
+    """Whether a Table IV row set was compiled at its preset's real depth."""
+    return m["n_layers"] == models.get_config(m["preset"]).n_layers
+
+
+def _depth_text(models_: dict, cut: dict) -> str:
+    """The page's account of the depth each model was compiled at."""
+    full = [n for n in models_ if n not in cut]
+    text = (
+        f"**Full models:** {', '.join(full)} at their real depth (the layers column: the "
+        "layers run as one `jax.lax.scan`, so the compile time does not grow with it)"
+        if full
+        else ""
+    )
+    if cut:
+        text += ("; **layer cut:** " if text else "**Layer cut:** ") + (
+            f"{', '.join(cut)} keep their real widths and vocabulary but only "
+            f"{' or '.join(map(str, sorted({m['n_layers'] for m in cut.values()})))} layers "
+            "(an MoE model keeps its dense first layer if it has one and the cut has room for "
+            "it, and the column counts its MoE layers), so their totals are not the full "
+            "models' and only differences between policies transfer"
+        )
+    return text + "."
 
 
 def _split_lines(s: dict, fsdp: int) -> list[str]:
@@ -1172,7 +1194,7 @@ def _reading_step_metric(models_: dict, metric: str) -> str | None:
     if dense:
         over = [n for n, v in dense.items() if v > PAPER_TWO_WAY_STEP_GB]
         parts.append(
-            "two-way S3R-EC - S3R on the dense cuts "
+            "two-way S3R-EC - S3R on the dense steps "
             + ", ".join(f"{v:+.3f} GB ({n})" for n, v in dense.items())
             + _within(over, f"target and paper: at most +{PAPER_TWO_WAY_STEP_GB} GB")
         )
@@ -1182,14 +1204,14 @@ def _reading_step_metric(models_: dict, metric: str) -> str | None:
         if ref > 0:
             over = [n for n, v in moe.items() if v > TARGET_MOE_RATIO * ref]
             parts.append(
-                "on the MoE cuts "
+                "on the MoE steps "
                 + ", ".join(f"{v:+.3f} GB ({n}, {v / ref:.1f}x)" for n, v in moe.items())
                 + " the largest dense surplus"
                 + _within(over, f"target: within {TARGET_MOE_RATIO:.0f}x")
             )
         else:
             parts.append(
-                "on the MoE cuts "
+                "on the MoE steps "
                 + ", ".join(f"{v:+.3f} GB ({n})" for n, v in moe.items())
                 + " (the dense surplus is not positive, so the 2x target has no scale)"
             )
@@ -1204,9 +1226,14 @@ def _reading_table4(s: dict) -> str | None:
     return (
         "Reading (generated): "
         + "; ".join(parts)
-        + ". With full rematerialisation one layer's backward temporaries are live at a "
-        "time, so a correction's surplus need not grow with the depth; this page does not "
-        "check that by compiling deeper cuts, so a full model's difference may be larger."
+        + "."
+        + (
+            " With full rematerialisation one layer's backward temporaries are live at a "
+            "time, so a correction's surplus need not grow with the depth; this page does not "
+            "check that for the layer cuts, so a full model's difference may be larger."
+            if any(not _full_depth(m) for m in s["models"].values())
+            else ""
+        )
     )
 
 

@@ -325,10 +325,18 @@ def tpu(d: pathlib.Path) -> list[str]:
         commits([m["policies"] for m in (t4 or {}).get("models", {}).values()]) or "none"
     )
     out[2] += " (each page names the commit of every row)."
+    import models
+
+    def depth(names: tuple[str, ...]) -> str:
+        ms = [m for n, m in (t4 or {}).get("models", {}).items() if n in names]
+        full = [m["n_layers"] == models.get_config(m["preset"]).n_layers for m in ms]
+        return "full models" if full and all(full) else "layer cut"
+
+    dense_names = ("Llama 3.1-8B", "Qwen3-8B")
     out += [
         f"| full step, dense: S3R - RTNE (GB) | 0 | {span(diff('s3r', 'rtne'), '+.3f')} |",
         "| full step, dense: S3R-EC two-way - S3R (GB) | at most +0.4 "
-        f"| {span(diff('s3r-ec-2way', 's3r'), '+.3f')} (layer cut) |",
+        f"| {span(diff('s3r-ec-2way', 's3r'), '+.3f')} ({depth(dense_names)}) |",
     ]
     moe = [
         (n, m["policies"])
@@ -342,11 +350,12 @@ def tpu(d: pathlib.Path) -> list[str]:
         or "n/a"
     )
     if moe:
+        cut = depth(tuple(n for n, _ in moe))
         out += [
             "| full step, MoE: S3R - RTNE (GB) | +0.4 (Qwen3-30B-A3B), +0.7 (DeepSeek-V2-Lite) "
-            f"| {each('s3r', 'rtne')} (layer cut) |",
+            f"| {each('s3r', 'rtne')} ({cut}) |",
             "| full step, MoE: S3R-EC two-way - S3R (GB) | not given "
-            f"| {each('s3r-ec-2way', 's3r')} (layer cut) |",
+            f"| {each('s3r-ec-2way', 's3r')} ({cut}) |",
         ]
     return out
 

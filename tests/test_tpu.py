@@ -326,18 +326,28 @@ def test_pages_check_targets_on_temporaries_and_peak():
     dense = {"rtne": step(5 * G, 30 * G), "s3r": step(5 * G, 30 * G)}
     dense["s3r-ec-2way"] = step(5 * G + G // 2, 30 * G + 3 * G // 10)
     moe = {"s3r": step(9 * G, 40 * G), "s3r-ec-2way": step(10 * G, 40 * G + 7 * G // 10)}
-    spec = {"n_layers": 2, "moe_layers": 0, "seq": 4096, "batch": 16}
+    spec = {"n_layers": 32, "moe_layers": 0, "seq": 4096, "batch": 16, "preset": "llama3.1-8b"}
+    cut = {"n_layers": 1, "moe_layers": 1, "preset": "qwen3-30b-a3b"}
     t4 = {
         "meta": meta | {"mesh": {"fsdp": 2, "tp": 2}},
         "smoke": False,
         "models": {
             "Llama 3.1-8B": spec | {"policies": dense},
-            "Qwen3-30B-A3B": spec | {"n_layers": 1, "moe_layers": 1, "policies": moe},
+            "Qwen3-30B-A3B": spec | cut | {"policies": moe},
         },
     }
     page = tc.markdown_table4(t4)
     assert "| Llama 3.1-8B | +0.000 / +0.000 | 0 (same) | +0.500 / +0.300 |" in page
-    assert "The cuts differ between models" in page
+    assert "**Full models:** Llama 3.1-8B at their real depth" in page
+    assert "; **layer cut:** Qwen3-30B-A3B keep their real widths" in page
+    assert "The cuts differ between models" not in page  # one cut model
+    assert "this page does not check that for the layer cuts" in page
+    full = {
+        n: m | {"n_layers": 48, "moe_layers": 48} if n == "Qwen3-30B-A3B" else m
+        for n, m in t4["models"].items()
+    }
+    page_full = tc.markdown_table4(t4 | {"models": full})
+    assert "layer cut" not in page_full.lower() and "for the layer cuts" not in page_full
     reading = page[page.index("Reading (generated)") :]
     total, peak = reading.split("on the peak, ")
     assert "+0.500 GB (Llama 3.1-8B) (target and paper: at most +0.4 GB: above it" in total
