@@ -8,9 +8,10 @@ Uses `s3req.tpu` (needs libtpu: `pip install "s3req[tpu]"`) for every policy pre
   forward + backward at the paper's W1..W9 shapes, 16 x 4096 tokens batch-split over 2x2x1;
 - `table4`: the full training step of `experiments/table4_full_step.py`
   (`s3req.train.make_train_step`: loss, INT8 backward, clipping, AdamW) of Llama 3.1-8B,
-  Qwen3-8B, Qwen3-30B-A3B and DeepSeek-V2-Lite cut to `--layers` layers (real widths and
-  vocabulary, full remat, bf16 activations), 4 x 4096 tokens per chip, parameters and
-  optimizer state FSDP x TP sharded (`s3req.train`'s rules) on a 2 x 2 mesh of v5p 2x2x1.
+  Qwen3-8B, Qwen3-30B-A3B and DeepSeek-V2-Lite at their real depth (`--layers N`: a cut to
+  N layers, real widths and vocabulary), full remat, bf16 activations, 4 x 4096 tokens per
+  chip, parameters and optimizer state FSDP x TP sharded (`s3req.train`'s rules) on a
+  2 x 2 mesh of v5p 2x2x1.
 
 Per program: XLA's memory analysis, the GEMMs of the optimized HLO with their dtypes, the
 largest materialized u32 buffer, fusions, backward vector operations per upstream-gradient
@@ -350,7 +351,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--shapes", default=",".join(models.PAPER_FFN_SHAPES))
     ap.add_argument("--models", default=",".join(TABLE4_MODELS.values()))
-    ap.add_argument("--layers", type=int, default=2, help="layers of the Table IV presets")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="layers of the Table IV presets (0: each preset's real depth)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a test of the script)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
     ap.add_argument("--pages", action="store_true", help="only rewrite the pages from the JSON")
@@ -419,7 +425,8 @@ def main(argv: list[str] | None = None) -> dict:
             seq, per_chip = (64, 1) if args.smoke else (4096, 4)
             for p in pols:
                 t0 = time.perf_counter()
-                prog, cfg, batch = compile_step(p, mesh2, preset, args.layers, seq, per_chip)
+                depth = args.layers or models.get_config(preset).n_layers
+                prog, cfg, batch = compile_step(p, mesh2, preset, depth, seq, per_chip)
                 check_split(prog, cfg, batch, seq, f"table4 {label} {p}")
                 m = t4data["models"].setdefault(label, {})
                 if m.get("n_layers", cfg.n_layers) != cfg.n_layers or m.get("seq", seq) != seq:
@@ -675,6 +682,49 @@ def _ffn_memory_table(done: dict, metric: str) -> list[str]:
     return lines
 
 
+def _other_gemms(r: dict, layer_macs: int) -> str:
+    """The GEMMs of one program besides its layer GEMMs: signature, per-chip result shape and
+    multiply-adds, and their total as a share of the layer GEMMs' multiply-adds."""
+    small = r.get("small_gemms")
+    if small is None:
+        return "—"
+    if not small:
+        return "none"
+    total = sum(g["macs"] or 0 for g in small)
+    each = "; ".join(
+        f"{g['signature']} `{tuple(g['shape'])}` ({(g['macs'] or 0) / 1e6:.1f} M)" for g in small
+    )
+    return f"{each}: {100 * total / (len(r['layer_gemms']) * layer_macs):.2f}%"
+
+
+def _other_count(r: dict, layer_macs: int) -> str:
+    """`n (share%)` of the GEMMs besides the layer GEMMs, or `0`."""
+    small = r.get("small_gemms")
+    if small is None:
+        return "—"
+    if not small:
+        return "0"
+    total = sum(g["macs"] or 0 for g in small)
+    return f"{len(small)} ({100 * total / (len(r['layer_gemms']) * layer_macs):.2f}%)"
+
+
+def _other_gemms_table(P: dict, layer_macs: int) -> list[str]:
+    """Per policy, the GEMMs the error correction (or anything else) adds to the layer's."""
+    lines = [
+        "",
+        "GEMMs besides the layer GEMMs (signature, per-chip result shape, multiply-adds; then "
+        "their total as a share of the layer GEMMs' multiply-adds): the error correction's "
+        "products.",
+        "",
+        "| policy | other GEMMs |",
+        "| --- | --- |",
+    ]
+    for p in POLICIES:
+        if p in P:
+            lines.append(f"| {p} | {_other_gemms(P[p], layer_macs)} |")
+    return lines
+
+
 def markdown(s: dict) -> str:
     meta = s["meta"]
     cmd = "python benchmarks/tpu_compile.py" + (" --smoke" if s.get("smoke") else "")
@@ -716,6 +766,7 @@ def markdown(s: dict) -> str:
             "",
         ]
         lines += _policy_table(s["layer"])
+        lines += _other_gemms_table(s["layer"], B * S * H * D // 4)
         L = s["layer"]
         temp = lambda P_, p: P_[p]["memory"]["temporaries"]
         if "sr" in L and "rtne" in L:
@@ -811,17 +862,20 @@ def markdown(s: dict) -> str:
             )
         lines += [
             "",
-            "Program structure (integer GEMMs / fusions / largest u32 buffer):",
+            "Program structure (integer GEMMs / fusions / largest u32 buffer / GEMMs besides "
+            "the layer GEMMs, and their multiply-adds as a share of the layer GEMMs'):",
             "",
             "| shape | " + " | ".join(POLICIES) + " |",
             "| --- |" + " --- |" * len(POLICIES),
         ]
         for w, r in done.items():
             P_ = r["policies"]
+            macs = r["tokens"][0] * r["tokens"][1] * r["h"] * r["d_ff"] // 4
             lines.append(
                 f"| {w} | "
                 + " | ".join(
-                    f"{P_[p]['n_integer_gemms']} / {P_[p]['fusions']} / {_u32(P_, p)}"
+                    f"{P_[p]['n_integer_gemms']} / {P_[p]['fusions']} / {_u32(P_, p)} / "
+                    f"{_other_count(P_[p], macs)}"
                     if p in P_
                     else "—"
                     for p in POLICIES

@@ -305,7 +305,18 @@ def test_pages_check_targets_on_temporaries_and_peak():
         "W2": {"h": 1024, "d_ff": 4096, "tokens": [16, 4096], "policies": block},
         "W4": {"h": 3072, "d_ff": 12288, "tokens": [16, 4096], "policies": old},
     }
+    # The error correction's other GEMMs: counted, and their work as a share of the nine
+    # layer GEMMs' (16 x 4096 x 1024 x 4096 / 4 chips multiply-adds each).
+    layer_macs = 16 * 4096 * 1024 * 4096 // 4
+    thin = {"signature": "f32 x s8 -> f32", "shape": [4, 1024], "macs": 9 * layer_macs // 100}
+    block["s3r-ec-2way"]["small_gemms"] = [thin]
+    block["s3r"]["small_gemms"] = []
+    assert tc._other_gemms(block["s3r-ec-2way"], layer_macs).endswith(
+        "`(4, 1024)` (6184.8 M): 1.00%"
+    )
     page = tc.markdown({"meta": meta, "layer": {}, "ffn": ffn})
+    structure = next(line for line in page.splitlines() if line.startswith("| W2 | — | 9 / 40"))
+    assert "/ 0 |" in structure and "/ 1 (1.00%) |" in structure, structure
     w2 = next(line for line in page.splitlines() if line.startswith("| W2 | 1.45"))
     assert w2.endswith(
         "| S3R = RTNE **no**, dX-only yes, two-way **no** | +0.0% / +10.0% / +2.0% "
