@@ -284,6 +284,14 @@ def split_facts(prog: TPUProgram, cfg, batch: int, seq: int) -> dict:
     }
 
 
+def _exhausted(message: str) -> str:
+    """The compiler's sentence on the memory a refused program needs, from its error."""
+    for line in message.splitlines():
+        if "Ran out of memory" in line:
+            return line[line.index("Ran out of memory") :].strip()
+    return message.splitlines()[0]
+
+
 def _commit() -> str:
     """The commit of the engine (`+dirty` when `s3req`, `policies` or `models` differ)."""
     try:
@@ -426,7 +434,22 @@ def main(argv: list[str] | None = None) -> dict:
             for p in pols:
                 t0 = time.perf_counter()
                 depth = args.layers or models.get_config(preset).n_layers
-                prog, cfg, batch = compile_step(p, mesh2, preset, depth, seq, per_chip)
+                try:
+                    prog, cfg, batch = compile_step(p, mesh2, preset, depth, seq, per_chip)
+                except jax.errors.JaxRuntimeError as e:
+                    if "RESOURCE_EXHAUSTED" not in str(e):
+                        raise
+                    # The compiler refuses a program that needs more than a chip's HBM:
+                    # the page says so, and a layer cut (`--layers`) is compiled instead.
+                    t4data.setdefault("refused", {})[label] = {
+                        "n_layers": depth,
+                        "policy": p,
+                        "message": _exhausted(str(e)),
+                        "commit": _commit(),
+                    }
+                    _save(out, "tpu_table4", t4data, markdown_table4)
+                    log(f"table4 {label} at {depth} layers refused: {_exhausted(str(e))}")
+                    break
                 check_split(prog, cfg, batch, seq, f"table4 {label} {p}")
                 m = t4data["models"].setdefault(label, {})
                 if m.get("n_layers", cfg.n_layers) != cfg.n_layers or m.get("seq", seq) != seq:
@@ -1087,7 +1110,7 @@ def markdown_table4(s: dict) -> str:
         f"convention: {first['batch']} = {first['batch'] // chips} x {chips} chips) split "
         f"over `fsdp` only, so each chip holds {first['batch'] // fsdp} sequences with their "
         "features and heads split over `tp`; full rematerialisation, bf16 activations. "
-        + _depth_text(s["models"], cut)
+        + _depth_text(s["models"], cut, s.get("refused", {}))
         + " Memory per chip; the paper's figures are for the full models on v5p (XLA's "
         "compile-time estimate, as here).",
         "",
@@ -1164,8 +1187,9 @@ def _full_depth(m: dict) -> bool:
     return m["n_layers"] == models.get_config(m["preset"]).n_layers
 
 
-def _depth_text(models_: dict, cut: dict) -> str:
-    """The page's account of the depth each model was compiled at."""
+def _depth_text(models_: dict, cut: dict, refused: dict) -> str:
+    """The page's account of the depth each model was compiled at, and of the full depths
+    the compiler refused (`refused`: model -> its layers and the compiler's message)."""
     full = [n for n in models_ if n not in cut]
     text = (
         f"**Full models:** {', '.join(full)} at their real depth (the layers column: the "
@@ -1181,6 +1205,14 @@ def _depth_text(models_: dict, cut: dict) -> str:
             "it, and the column counts its MoE layers), so their totals are not the full "
             "models' and only differences between policies transfer"
         )
+    why = [
+        f"{n} at its {r['n_layers']} layers ({r['policy']}, engine `{r['commit']}`): "
+        f'"{r["message"]}"'
+        for n, r in refused.items()
+        if n in cut
+    ]
+    if why:
+        text += ". The compiler refused the full depth on this mesh: " + "; ".join(why)
     return text + "."
 
 

@@ -353,6 +353,14 @@ def test_pages_check_targets_on_temporaries_and_peak():
     assert "; **layer cut:** Qwen3-30B-A3B keep their real widths" in page
     assert "The cuts differ between models" not in page  # one cut model
     assert "this page does not check that for the layer cuts" in page
+    no_room = "Ran out of memory on HBM, the total memory required ... exceeds available HBM"
+    refused = {"n_layers": 48, "policy": "rtne", "message": no_room, "commit": "abc"}
+    page = tc.markdown_table4(t4 | {"refused": {"Qwen3-30B-A3B": refused}})
+    assert (
+        "The compiler refused the full depth on this mesh: Qwen3-30B-A3B at its 48 layers "
+        f'(rtne, engine `abc`): "{no_room}".' in page
+    )
+    assert tc._exhausted(f"RESOURCE_EXHAUSTED: x\nINTERNAL: {no_room}\nmore") == no_room
     full = {
         n: m | {"n_layers": 48, "moe_layers": 48} if n == "Qwen3-30B-A3B" else m
         for n, m in t4["models"].items()
