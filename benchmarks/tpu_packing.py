@@ -4,7 +4,9 @@ Compiles the SwiGLU FFN block of `benchmarks/tpu_compile.py` (`compile_ffn`: Tab
 shapes, 16 x 4096 tokens batch-split over v5p 2x2x1) with `compile_for_tpu(...,
 buffers=True)` and reads the compiler's buffer assignment (`s3req.tpu.BufferPacking`): the
 size of the block of temporaries (`heap`), the most bytes of it occupied at one instruction
-(`live`) and the hole between them, beside XLA's `temporaries` and `peak`. Results merge into
+(`live`) and the hole between them, beside XLA's `temporaries` and `peak`, and which buffers sit
+above the live bytes with the buffers that kept them lower down (`BufferPacking.top`, printed
+and kept in the JSON). Results merge into
 `tpu_packing.json` under `--out` after every compile; the page `tpu_packing.md` is rewritten.
 
     python benchmarks/tpu_packing.py --shapes W1,W4 --policies rtne,s3r,s3r-ec-dx,s3r-ec-2way
@@ -12,6 +14,7 @@ size of the block of temporaries (`heap`), the most bytes of it occupied at one 
 """
 
 import argparse
+import dataclasses
 import pathlib
 import sys
 
@@ -28,6 +31,25 @@ POLICIES = ("rtne", "s3r", "s3r-ec-dx", "s3r-ec-2way")
 MiB = 2**20
 
 
+def _buffer(b) -> str:
+    return (
+        f"{b.name} {b.shape.split('{')[0]} at {_mib(b.offset)}+{b.size / MiB:.3f} MiB, "
+        f"steps {b.first}-{b.last} ({b.first_instruction}..{b.last_instruction}) "
+        f"{b.op_name or '(compiler copy)'}"
+    )
+
+
+def _explain(pk) -> list[str]:
+    """What sits above the live bytes and what kept it lower down (`BufferPacking.top`)."""
+    lines = []
+    for t in pk.top:
+        lines.append(f"  above live: {_buffer(t.buffer)}")
+        if t.gap is not None:
+            lines.append(f"    would fit at {_mib(t.gap[0])}-{_mib(t.gap[1])} MiB but for:")
+        lines += [f"      {_buffer(b)}" for b in t.blockers]
+    return lines
+
+
 def _row(prog) -> dict:
     pk = prog.packing
     return {
@@ -37,6 +59,7 @@ def _row(prog) -> dict:
         "live": pk.live,
         "hole": pk.hole,
         "live_at": pk.live_at,
+        "top": [dataclasses.asdict(t) for t in pk.top],
         "commit": tc._commit(),
         "compile_seconds": prog.compile_seconds,
     }
@@ -214,6 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
                     f"live {_mib(r['live'])} hole {_mib(r['hole'])} MiB",
                     flush=True,
                 )
+                print("\n".join(_explain(prog.packing)), flush=True)
     if data:
         tc._save(out, "tpu_packing", data, markdown)
     return data

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from policies import PRESETS
 from s3req import qdot
-from s3req.tpu import BufferPacking, compile_for_tpu, tpu_mesh
+from s3req.tpu import BufferPacking, compile_for_tpu, HeapBuffer, HeapTop, tpu_mesh
 from s3req.tpu._buffers import buffer_packing, read_dump
 
 
@@ -64,6 +64,65 @@ def test_buffer_packing_sees_a_hole():
     text = text.replace(f"offset={MiB}): f32[524288]", f"offset={2 * MiB}): f32[524288]")
     pk = buffer_packing(text, _LIVE)
     assert (pk.heap, pk.live, pk.hole) == (4 * MiB, 3 * MiB, MiB)
+
+
+# A hole made by a small buffer: `a` (2 MiB at 0) dies at step 0, `s` (64 KiB) is placed at
+# 1 MiB inside the range `a` freed and lives on, so `t` (2 MiB, steps 2-3) goes on top of the
+# long-lived `k` (1 MiB at 3 MiB): a block of 6 MiB for at most 3 MiB + 64 KiB live.
+_K = 2**16
+_HOLE_ASSIGNMENT = f"""BufferAssignment:
+allocation 0: size {6 * MiB}, preallocated-temp:
+ value: <1 a @0> (size={2 * MiB},offset=0): f32[524288]
+ value: <2 k @0> (size={MiB},offset={3 * MiB}): s8[1048576]
+ value: <3 s @0> (size={_K},offset={MiB}): f32[16384]
+ value: <4 t @0> (size={2 * MiB},offset={4 * MiB}): bf16[1048576]
+"""
+_HOLE_LIVE = """HloLiveRange (max 3):
+  InstructionSequence:
+    0:a
+    1:s
+    2:t
+    3:out
+  BufferLiveRange:
+    a{}:0-0
+    k{}:0-3
+    s{}:1-3
+    t{}:2-3
+"""
+_HOLE_HLO = """ENTRY %main {
+  %a = f32[524288]{0} fusion(%p), kind=kLoop, metadata={op_name="jit(f)/jvp()/mul"}
+  %k = s8[1048576]{0} copy(%q)
+  %s = f32[16384]{0} fusion(%a), metadata={op_name="jit(f)/transpose(dot_general)" id=3}
+  ROOT %t = bf16[1048576]{0} fusion(%k, %s), metadata={op_name="jit(f)/transpose(max)"}
+}
+"""
+
+
+def test_buffer_packing_names_what_keeps_a_buffer_off_the_bottom(tmp_path):
+    for suffix, text in (("-buffer-assignment", _HOLE_ASSIGNMENT), ("-live-range", _HOLE_LIVE)):
+        (tmp_path / f"m.jit_f.after_optimizations{suffix}.txt").write_text(text)
+    (tmp_path / "m.jit_f.after_optimizations.txt").write_text(_HOLE_HLO)
+    pk = read_dump(tmp_path, "jit_f")
+    assert pk == buffer_packing(_HOLE_ASSIGNMENT, _HOLE_LIVE, _HOLE_HLO)
+    assert (pk.heap, pk.live, pk.live_at) == (6 * MiB, 3 * MiB + _K, "t")
+    # The buffers reaching above the live bytes, highest first: t, then k (3-4 MiB).
+    assert [t.buffer.name for t in pk.top] == ["t{}", "k{}"]
+    top = pk.top[0]
+    assert isinstance(top, HeapTop) and isinstance(top.buffer, HeapBuffer)
+    t = top.buffer
+    assert (t.offset, t.size, t.end, t.first, t.last) == (4 * MiB, 2 * MiB, 6 * MiB, 2, 3)
+    assert (t.first_instruction, t.last_instruction) == ("t", "out")
+    assert t.op_name == "jit(f)/transpose(max)" and t.shape == "bf16[1048576]"
+    # Below it at its first step: k (s is under the 1 MiB floor); it would fit at 0-2 MiB
+    # but for s, which the compiler's copy k does not share (no op_name).
+    assert [b.name for b in top.below] == ["k{}"] and top.below[0].op_name == ""
+    assert top.gap == (0, 2 * MiB)
+    (s,) = top.blockers
+    assert (s.name, s.offset, s.size, s.first, s.last) == ("s{}", MiB, _K, 1, 3)
+    assert s.op_name == "jit(f)/transpose(dot_general)"
+    # Without the HLO, or without a hole, nothing to explain.
+    assert buffer_packing(_HOLE_ASSIGNMENT, _HOLE_LIVE).top == ()
+    assert buffer_packing(_ASSIGNMENT, _LIVE, _HOLE_HLO).top == ()
 
 
 def test_buffer_packing_rejects_dumps_of_two_programs(tmp_path):

@@ -5,7 +5,12 @@ compiling functions need `libtpu` (`pip install "s3req[tpu]"`), imported when fi
 See the guide `docs/guides/tpu-compile.md`.
 """
 
-from ._buffers import BufferPacking as BufferPacking
+from ._buffers import (
+    BufferPacking as BufferPacking,
+    HeapBuffer as HeapBuffer,
+    HeapTop as HeapTop,
+    TOP_BUFFERS as TOP_BUFFERS,
+)
 from ._compile import (
     compile_for_tpu as compile_for_tpu,
     CostModel as CostModel,

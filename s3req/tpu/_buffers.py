@@ -35,11 +35,70 @@ class BufferPacking:
     heap: int
     live: int
     live_at: str
+    top: tuple["HeapTop", ...] = ()
+    """The buffers that sit above `live` bytes, highest first (at most `TOP_BUFFERS`), each
+    with what kept it from a lower place (a [`s3req.tpu.HeapTop`][]); empty without a hole
+    or without the program's HLO."""
 
     @property
     def hole(self) -> int:
         """`heap - live`: bytes of the block never occupied at the busiest instruction."""
         return self.heap - self.live
+
+
+@typing.final
+@dataclasses.dataclass(frozen=True)
+class HeapBuffer:
+    """One buffer of the block of temporaries, as the compiler placed it.
+
+    **Fields:**
+
+    - `name`: the HLO value (instruction name, and the tuple index of a multi-output one).
+    - `shape`: its HLO shape with layout.
+    - `offset`, `size`: its bytes in the block.
+    - `first`, `last`: the steps of the program where it is defined and last used (both
+      included), with `first_instruction` and `last_instruction` the instructions there.
+    - `op_name`: the JAX operation it comes from (the `op_name` of the HLO metadata of the
+      instruction that defines it), or `""` for buffers the compiler made (copies).
+    """
+
+    name: str
+    shape: str
+    offset: int
+    size: int
+    first: int
+    last: int
+    first_instruction: str
+    last_instruction: str
+    op_name: str
+
+    @property
+    def end(self) -> int:
+        """`offset + size`."""
+        return self.offset + self.size
+
+
+@typing.final
+@dataclasses.dataclass(frozen=True)
+class HeapTop:
+    """A buffer placed above the live bytes of the block, and what kept it lower down.
+
+    **Fields:**
+
+    - `buffer`: the buffer (a [`s3req.tpu.HeapBuffer`][]).
+    - `below`: the buffers of at least `min_size` bytes live at its first step and placed
+      below it, by offset: what filled the block when it was defined.
+    - `gap`: `(lo, hi)`, the range of `buffer.size` bytes below it that the fewest bytes of
+      other buffers overlap while it lives, or `None` where no such range is below it.
+    - `blockers`: the buffers (of any size) that overlap `gap` in bytes and `buffer`'s live
+      range in steps, by offset: with them elsewhere it would fit in `gap`. A small buffer
+      among them that lives long is what splits the range a large dead buffer freed.
+    """
+
+    buffer: HeapBuffer
+    below: tuple[HeapBuffer, ...]
+    gap: tuple[int, int] | None
+    blockers: tuple[HeapBuffer, ...]
 
 
 _ALLOCATION = re.compile(r"allocation \d+: size (\d+)(.*)")
@@ -48,10 +107,11 @@ _VALUE = re.compile(
 )
 _RANGE = re.compile(r"\s+(\S+):(\d+)-(\d+)$")
 _STEP = re.compile(r"\s+(\d+):(\S+)$")
+_OP_NAME = re.compile(r"\s*(?:ROOT )?%?(\S+) = .*?\bop_name=\"([^\"]*)\"")
 
 
-def _heap_values(assignment: str) -> tuple[int, dict[str, tuple[int, int]]]:
-    """The size of the HBM temporary block and its values, `name: (offset, size)`."""
+def _heap_values(assignment: str) -> tuple[int, dict[str, tuple[int, int, str]]]:
+    """The size of the HBM temporary block and its values, `name: (offset, size, shape)`."""
     heap, values, inside = 0, {}, False
     for line in assignment.splitlines():
         m = _ALLOCATION.match(line)
@@ -63,7 +123,8 @@ def _heap_values(assignment: str) -> tuple[int, dict[str, tuple[int, int]]]:
             continue
         m = _VALUE.match(line) if inside else None
         if m and int(m[3]) > 0:
-            values[m[1] + (m[2] or "{}")] = (int(m[4]), int(m[3]))
+            shape = line.split("): ", 1)[1].strip() if "): " in line else ""
+            values[m[1] + (m[2] or "{}")] = (int(m[4]), int(m[3]), shape)
     return heap, values
 
 
@@ -93,11 +154,57 @@ def _occupied(intervals: list[tuple[int, int]]) -> int:
     return total
 
 
-def buffer_packing(assignment: str, live_range: str) -> BufferPacking:
+TOP_BUFFERS = 3
+"""Most buffers `BufferPacking.top` describes."""
+
+
+def _op_names(hlo: str) -> dict[str, str]:
+    """The JAX `op_name` of every HLO instruction that has one."""
+    return {m[1]: m[2] for line in hlo.splitlines() if (m := _OP_NAME.match(line))}
+
+
+def _top(buffers: list[HeapBuffer], live: int, min_size: int) -> tuple[HeapTop, ...]:
+    """`HeapTop` of the (at most `TOP_BUFFERS`) buffers of `min_size` bytes or more whose
+    bytes reach above `live`, highest end first."""
+    high = [b for b in buffers if b.size >= min_size and b.end > live]
+    out = []
+    for top in sorted(high, key=lambda b: -b.end)[:TOP_BUFFERS]:
+        during = [
+            b for b in buffers if b is not top and b.first <= top.last and b.last >= top.first
+        ]
+        below = [
+            b
+            for b in during
+            if b.first <= top.first <= b.last and b.size >= min_size and b.end <= top.offset
+        ]
+        starts = {0} | {b.end for b in during} | {b.offset for b in during}
+        gap, blockers, least = None, [], None
+        for lo in sorted(x for x in starts if x + top.size <= top.offset):
+            hi = lo + top.size
+            inside = [b for b in during if b.offset < hi and b.end > lo]
+            taken = _occupied([(max(b.offset, lo), min(b.end, hi)) for b in inside])
+            if least is None or taken < least:
+                gap, blockers, least = (lo, hi), inside, taken
+        out.append(
+            HeapTop(
+                buffer=top,
+                below=tuple(sorted(below, key=lambda b: b.offset)),
+                gap=gap,
+                blockers=tuple(sorted(blockers, key=lambda b: b.offset)),
+            )
+        )
+    return tuple(out)
+
+
+def buffer_packing(
+    assignment: str, live_range: str, hlo: str = "", min_size: int = 2**20
+) -> BufferPacking:
     """The packing facts of one program from the text of its
     `*after_optimizations-buffer-assignment.txt` and `*after_optimizations-live-range.txt`
     dumps. A value's live range includes both ends (a buffer defined at the step where
-    another dies does not share its bytes unless the compiler placed it there)."""
+    another dies does not share its bytes unless the compiler placed it there). With the
+    optimized HLO text (`*after_optimizations.txt`), `BufferPacking.top` says which buffers
+    of at least `min_size` bytes sit above the live bytes and what kept them lower down."""
     heap, values = _heap_values(assignment)
     steps, ranges = _live_ranges(live_range)
     missing = sorted(set(values) - set(ranges))
@@ -116,19 +223,39 @@ def buffer_packing(assignment: str, live_range: str) -> BufferPacking:
         occupied = _occupied([(values[n][0], values[n][0] + values[n][1]) for n in alive])
         if occupied > live:
             live, live_at = occupied, t
-    return BufferPacking(heap=heap, live=live, live_at=steps[live_at] if steps else "")
+    top = ()
+    if hlo and heap > live:
+        ops = _op_names(hlo)
+        step = lambda t: steps[t] if t < len(steps) else ""
+        buffers = [
+            HeapBuffer(
+                name=name,
+                shape=shape,
+                offset=offset,
+                size=size,
+                first=ranges[name][0],
+                last=ranges[name][1],
+                first_instruction=step(ranges[name][0]),
+                last_instruction=step(ranges[name][1]),
+                op_name=ops.get(name.split("{")[0], ""),
+            )
+            for name, (offset, size, shape) in values.items()
+        ]
+        top = _top(buffers, live, min_size)
+    return BufferPacking(heap=heap, live=live, live_at=steps[live_at] if steps else "", top=top)
 
 
 def read_dump(directory: str | pathlib.Path, module: str) -> BufferPacking:
-    """`buffer_packing` of the module whose name contains `module` in an XLA dump folder."""
+    """`buffer_packing` of the module whose name contains `module` in an XLA dump folder
+    (with its optimized HLO where the folder holds it)."""
     root = pathlib.Path(directory)
     found = {}
-    for kind in ("buffer-assignment", "live-range"):
-        files = sorted(root.glob(f"*{module}*after_optimizations-{kind}.txt"))
-        if len(files) != 1:
+    for kind in ("-buffer-assignment", "-live-range", ""):
+        files = sorted(root.glob(f"*{module}*after_optimizations{kind}.txt"))
+        if len(files) != 1 and kind:
             raise RuntimeError(
-                f"expected one {kind} dump of module {module!r} in {root}, found "
+                f"expected one {kind[1:]} dump of module {module!r} in {root}, found "
                 f"{[f.name for f in files]}"
             )
-        found[kind] = files[0].read_text()
-    return buffer_packing(found["buffer-assignment"], found["live-range"])
+        found[kind] = files[0].read_text() if len(files) == 1 else ""
+    return buffer_packing(found["-buffer-assignment"], found["-live-range"], found[""])
