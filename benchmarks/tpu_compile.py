@@ -582,8 +582,8 @@ def _engines(rows: dict[str, dict]) -> str:
         text += (
             " ("
             + "; ".join(
-                f"`{'`, `'.join(cs)}` hold the same engine: identical `s3req/`, `policies/`, "
-                "`models/`"
+                f"`{'`, `'.join(cs)}` hold the same engine: identical `s3req/` (outside the "
+                "compile tool `s3req/tpu/`), `policies/`, `models/`"
                 for cs in same
             )
             + ")"
@@ -597,19 +597,27 @@ def _engines(rows: dict[str, dict]) -> str:
 
 
 def _engine_tree(commit: str) -> str | None:
-    """The git trees of `s3req/`, `policies/` and `models/` at `commit` (None if unknown)."""
+    """The files of the engine at `commit`: `s3req/` (less `s3req/tpu/`, the compile tool,
+    which reads a program and does not change it), `policies/` and `models/`, as git's
+    `(path, blob)` listing (None if unknown)."""
     if commit.endswith("+dirty"):
         return None
     try:
         out = subprocess.run(
-            ["git", "rev-parse", *(f"{commit}:{d}" for d in ("s3req", "policies", "models"))],
+            ["git", "ls-tree", "-r", commit, "--", *ENGINE_DIRS],
             cwd=ROOT,
             capture_output=True,
             text=True,
         )
     except OSError:
         return None
-    return out.stdout.strip() if out.returncode == 0 else None
+    if out.returncode != 0:
+        return None
+    files = [line for line in out.stdout.splitlines() if "\ts3req/tpu/" not in line]
+    return "\n".join(files)
+
+
+ENGINE_DIRS = ("s3req", "policies", "models")
 
 
 def _header(
@@ -1083,6 +1091,8 @@ def _step_table(s: dict, pols: list[str], metric: str, engines: bool = False) ->
 
 
 def markdown_table4(s: dict) -> str:
+    if not s.get("models"):
+        return "# TPU v5p compile: Table IV full-step memory\n\nNo step compiled yet.\n"
     meta = s["meta"]
     cmd = "python benchmarks/tpu_compile.py --parts table4" + (" --smoke" if s["smoke"] else "")
     rows = {f"{n} {p}": r for n, m in s["models"].items() for p, r in m["policies"].items()}
@@ -1223,7 +1233,7 @@ def _split_lines(s: dict, fsdp: int) -> list[str]:
         "per-chip buffer of the optimized HLO (`s3req.tpu.TPUProgram.buffers`) leads with "
         "the global batch with the sequence length among its other dimensions, nor with the "
         "global token count or the global count of routed rows (MoE). The per-chip shapes "
-        "it found, from each model's first checked row:",
+        "it found, from each model's RTNE row (else its first checked row):",
         "",
         "| model | refused leading dims | attention scores (f32, per chip) "
         "| largest expert-sorted rows buffer (per chip) | rows not checked |",
@@ -1231,7 +1241,9 @@ def _split_lines(s: dict, fsdp: int) -> list[str]:
     ]
     for name, m in s["models"].items():
         P_ = m["policies"]
-        checked = [r["split_check"] for p in POLICIES if (r := P_.get(p, {})).get("split_check")]
+        # INT8 RTNE first: its expert rows are the int8 engine's, as every quantized policy's.
+        order = ["rtne"] + [p for p in POLICIES if p != "rtne"]
+        checked = [r["split_check"] for p in order if (r := P_.get(p, {})).get("split_check")]
         unchecked = [p for p in POLICIES if p in P_ and not P_[p].get("split_check")]
         c = checked[0] if checked else None
         lead = (

@@ -4,6 +4,7 @@ import importlib.util
 import pathlib
 import re
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -443,3 +444,19 @@ def test_v5p_unpinned_step_holds_the_global_batch(preset):
         assert any(b.shape and b.shape[0] == rows for b in prog.buffers())
     with pytest.raises(RuntimeError, match="global batch of 12 x 40 tokens"):
         tpu_compile.check_split(prog, cfg, _STEP_BATCH, _STEP_SEQ, preset)
+
+
+def test_engine_identity_ignores_the_compile_tool(monkeypatch):
+    """Two commits that differ only in `s3req/tpu/` (the tool that reads a program) hold the
+    same engine on the pages; a change anywhere else in `s3req/` is a new engine."""
+    tc = _benchmark()
+    trees = {
+        "a": "100644 blob 1\ts3req/_qdot.py\n100644 blob 2\ts3req/tpu/_hlo.py\n",
+        "b": "100644 blob 1\ts3req/_qdot.py\n100644 blob 3\ts3req/tpu/_hlo.py\n",
+        "c": "100644 blob 4\ts3req/_qdot.py\n100644 blob 2\ts3req/tpu/_hlo.py\n",
+    }
+    run = lambda cmd, **kw: types.SimpleNamespace(returncode=0, stdout=trees[cmd[3]])
+    monkeypatch.setattr(tc.subprocess, "run", run)
+    assert tc._engine_tree("a") == tc._engine_tree("b") != tc._engine_tree("c")
+    text = tc._engines({"x": {"commit": "a"}, "y": {"commit": "b"}, "z": {"commit": "c"}})
+    assert "`a`, `b` hold the same engine" in text and "2 different engines" in text
