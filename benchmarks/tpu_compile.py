@@ -1207,17 +1207,18 @@ def _depth_text(models_: dict, cut: dict, refused: dict) -> str:
         if full
         else ""
     )
+    depths = sorted({m["n_layers"] for m in cut.values()})
     if cut:
         text += ("; **layer cut:** " if text else "**Layer cut:** ") + (
             f"{', '.join(cut)} keep their real widths and vocabulary but only "
-            f"{' or '.join(map(str, sorted({m['n_layers'] for m in cut.values()})))} layers "
+            f"{' or '.join(map(str, depths))} layer{'s' if depths != [1] else ''} "
             "(an MoE model keeps its dense first layer if it has one and the cut has room for "
             "it, and the column counts its MoE layers), so their totals are not the full "
             "models' and only differences between policies transfer"
         )
     why = [
         f"{n} at its {r['n_layers']} layers ({r['policy']}, engine `{r['commit']}`): "
-        f'"{r["message"]}"'
+        f'"{r["message"].rstrip(".")}"'
         for n, r in refused.items()
         if n in cut
     ]

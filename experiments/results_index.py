@@ -272,7 +272,7 @@ def tpu(d: pathlib.Path) -> list[str]:
         "`python benchmarks/tpu_compile.py`: compiled for v5p 2x2x1 on a CPU machine with "
         "libtpu (no TPU ran; memory is XLA's compile-time analysis per chip, the paper's "
         "Table IV method). Ranges over the compiled FFN shapes (W1..W9) and, for the full "
-        "step, over the dense models cut to a few layers.",
+        "step, over the dense models (the depth of each step in brackets).",
         "",
         "| claim | paper | ours |",
         "| --- | --- | --- |",
