@@ -713,30 +713,24 @@ def _ffn_memory_table(done: dict, metric: str) -> list[str]:
     return lines
 
 
-def _other_gemms(r: dict, layer_macs: int) -> str:
-    """The GEMMs of one program besides its layer GEMMs: signature, per-chip result shape and
-    multiply-adds, and their total as a share of the layer GEMMs' multiply-adds."""
+def _other_gemms(r: dict, layer_macs: int, each: bool = True) -> str:
+    """The GEMMs of one program besides its layer GEMMs, then their multiply-adds as a share
+    of the layer GEMMs': each with signature, per-chip result shape and multiply-adds, or
+    (`each=False`) their count."""
     small = r.get("small_gemms")
     if small is None:
         return "—"
     if not small:
-        return "none"
-    total = sum(g["macs"] or 0 for g in small)
-    each = "; ".join(
+        return "none" if each else "0"
+    share = (
+        f"{100 * sum(g['macs'] or 0 for g in small) / (len(r['layer_gemms']) * layer_macs):.2f}%"
+    )
+    if not each:
+        return f"{len(small)} ({share})"
+    listed = "; ".join(
         f"{g['signature']} `{tuple(g['shape'])}` ({(g['macs'] or 0) / 1e6:.1f} M)" for g in small
     )
-    return f"{each}: {100 * total / (len(r['layer_gemms']) * layer_macs):.2f}%"
-
-
-def _other_count(r: dict, layer_macs: int) -> str:
-    """`n (share%)` of the GEMMs besides the layer GEMMs, or `0`."""
-    small = r.get("small_gemms")
-    if small is None:
-        return "—"
-    if not small:
-        return "0"
-    total = sum(g["macs"] or 0 for g in small)
-    return f"{len(small)} ({100 * total / (len(r['layer_gemms']) * layer_macs):.2f}%)"
+    return f"{listed}: {share}"
 
 
 def _other_gemms_table(P: dict, layer_macs: int) -> list[str]:
@@ -906,7 +900,7 @@ def markdown(s: dict) -> str:
                 f"| {w} | "
                 + " | ".join(
                     f"{P_[p]['n_integer_gemms']} / {P_[p]['fusions']} / {_u32(P_, p)} / "
-                    f"{_other_count(P_[p], macs)}"
+                    f"{_other_gemms(P_[p], macs, each=False)}"
                     if p in P_
                     else "—"
                     for p in POLICIES
