@@ -319,7 +319,9 @@ class Ragged(AbstractLayer):
 
     The segment sums and `Xq_e^T eps_e` are `jax.ops.segment_sum`s here and the dX terms of
     the error correction gathers of per-expert and per-segment values; on TPU the sums run as
-    ragged contractions and both dX terms as one ragged product (`_kernels_tpu.py`).
+    ragged contractions and both dX terms as one ragged product (`_kernels_tpu.py`). On CPU
+    the three GEMMs read the codes as plain GEMM operands (`_kernels_cpu.ragged_gemm`,
+    `ragged_rows`): XLA:CPU has no grouped GEMM.
     """
 
     group_sizes: Int[Array, " e"]
@@ -354,8 +356,18 @@ class Ragged(AbstractLayer):
     def weight_absmax(self, w):
         return finite_absmax(w, axis=1, keepdims=True)
 
+    def _gemm(self, lhs: Array, wq: Array, axis: int) -> Array:
+        """The rows `lhs` times their expert's `wq`, contracting `wq`'s axis `axis`."""
+        gs = self.group_sizes
+        return _per_backend(
+            lambda lhs, wq: _ragged(lhs, wq, gs, ((1,), (axis,)), True),
+            lhs,
+            wq,
+            cpu=lambda lhs, wq: _kernels_cpu.ragged_gemm(lhs, wq, gs, axis),
+        )
+
     def gemm(self, xq, wq):
-        return _ragged(xq, wq, self.group_sizes, ((1,), (1,)), True)
+        return self._gemm(xq, wq, 1)
 
     def row_scales(self, sw):
         return sw[:, 0, :][self._expert]
@@ -369,10 +381,16 @@ class Ragged(AbstractLayer):
         return Rows(self.row_id, self.example_id, d, start, d * self.axes.size("d_out"))
 
     def gemm_dx(self, q, wq):
-        return _ragged(q, wq, self.group_sizes, ((1,), (2,)), True).astype(_F32)
+        return self._gemm(q, wq, 2).astype(_F32)
 
     def gemm_dw(self, xq, q):
-        return _ragged_token_contraction(xq, q, self.group_sizes)
+        gs = self.group_sizes
+        return _per_backend(
+            lambda xq, q: _ragged_token_contraction(xq, q, gs),
+            xq,
+            q,
+            cpu=lambda xq, q: _ragged_token_contraction(xq, q, gs, _kernels_cpu.ragged_rows),
+        )
 
     def weight_gradient(self, dw, sw):
         return dw / sw

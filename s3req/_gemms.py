@@ -6,6 +6,8 @@ and the float32 fallbacks for float operands. Shared by the reference path (`_ba
 and the backend kernels (`_kernels_cpu.py`, `_kernels_tpu.py`).
 """
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Int8, Shaped
@@ -89,35 +91,48 @@ def ragged(lhs: Array, rhs: Array, group_sizes: Array, dims, rhs_group: bool) ->
     )
 
 
+def ragged_rows(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
+    """`lhs_e^T rhs_e` for every group of rows (`ragged_dot_general` contracting the rows):
+    int32 sums for int8 codes, else float32."""
+    return ragged(lhs, rhs, group_sizes, ((0,), (0,)), False)
+
+
 def ragged_row_chunks(
-    lhs: Shaped[Array, "n a"], rhs: Shaped[Array, "n b"], group_sizes: Int[Array, " e"], chunk: int
+    lhs: Shaped[Array, "n a"],
+    rhs: Shaped[Array, "n b"],
+    group_sizes: Int[Array, " e"],
+    chunk: int,
+    contract: Callable[[Array, Array, Array], Array] = ragged_rows,
 ) -> Float[Array, "e a b"]:
     """`lhs_e^T rhs_e` for every group, float32, with the rows cut into chunks of `chunk`
-    (each group clipped to the chunk): the int32 sums of int8 codes are added exactly
-    (`split_sum`), float32 ones in float32. XLA:TPU computes a ragged contraction over all
-    groups masked by an `(e, rows, 1)` boolean array, which its layout pads to `128 e rows`
-    bytes: chunks bound that buffer."""
+    (each group clipped to the chunk) contracted by `contract` (`ragged_rows`, or a
+    backend's form of it): the int32 sums of int8 codes are added exactly (`split_sum`),
+    float32 ones in float32. XLA:TPU computes a ragged contraction over all groups masked by
+    an `(e, rows, 1)` boolean array, which its layout pads to `128 e rows` bytes: chunks
+    bound that buffer."""
     n = lhs.shape[0]
     if n <= chunk:
-        return ragged(lhs, rhs, group_sizes, ((0,), (0,)), False).astype(_F32)
+        return contract(lhs, rhs, group_sizes).astype(_F32)
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
     parts = []
     for lo in range(0, n, chunk):
         hi = min(lo + chunk, n)
         sizes = jnp.clip(jnp.minimum(ends, hi) - jnp.maximum(starts, lo), 0)
-        parts.append(
-            ragged(lhs[lo:hi], rhs[lo:hi], sizes.astype(group_sizes.dtype), ((0,), (0,)), False)
-        )
+        parts.append(contract(lhs[lo:hi], rhs[lo:hi], sizes.astype(group_sizes.dtype)))
     stacked = jnp.stack(parts)
     return split_sum(stacked) if stacked.dtype == _I32 else jnp.sum(stacked, axis=0)
 
 
 def ragged_token_contraction(
-    xq: Int8[Array, "n h"], q: Shaped[Array, "n d"], group_sizes: Int[Array, " e"]
+    xq: Int8[Array, "n h"],
+    q: Shaped[Array, "n d"],
+    group_sizes: Int[Array, " e"],
+    contract: Callable[[Array, Array, Array], Array] = ragged_rows,
 ) -> Float[Array, "e h d"]:
-    """`Xq_e^T Q_e` for every expert; past `MAX_TERMS` rows of int8 codes the rows are cut
-    into chunks of `DW_CHUNK` (`ragged_row_chunks`)."""
+    """`Xq_e^T Q_e` for every expert (`contract`: `ragged_rows` or a backend's form of it);
+    past `MAX_TERMS` rows of int8 codes the rows are cut into chunks of `DW_CHUNK`
+    (`ragged_row_chunks`)."""
     if q.dtype != jnp.int8 or xq.shape[0] <= MAX_TERMS:
-        return ragged(xq, q, group_sizes, ((0,), (0,)), False).astype(_F32)
-    return ragged_row_chunks(xq, q, group_sizes, DW_CHUNK)
+        return contract(xq, q, group_sizes).astype(_F32)
+    return ragged_row_chunks(xq, q, group_sizes, DW_CHUNK, contract)

@@ -1,4 +1,5 @@
-"""The XLA:CPU kernel of the dense layer's error correction and scale folding.
+"""The XLA:CPU kernels: the dense layer's error correction and scale folding, and the
+expert GEMMs.
 
 `_backward.py` holds the reference path: plain reductions and float32 products, written as
 the maths. On XLA:CPU a reduction is fused into its consumer, and for the error-correction
@@ -10,6 +11,13 @@ XLA:CPU does not fuse into their consumers (dots) and on the int8 operands direc
 GEMMs with exact int32 sums). `_backward.Dense` chooses between the two per backend with
 `jax.lax.platform_dependent`; `tests/test_kernels.py` checks that they agree.
 
+XLA:CPU has no grouped GEMM. JAX lowers `ragged_dot_general` there as one dense GEMM over
+`E` copies of the ragged operand, each with the other experts' rows masked (both operands
+when the rows are contracted, as int32), and XLA fuses the producer of that operand into the
+copies: for the codes of `G'` the quantizer, random thresholds included, runs once per
+expert. `ragged_gemm` and `ragged_rows` do the same multiply-adds with the codes as plain
+GEMM operands, computed once; `_backward.Ragged` chooses them per backend.
+
 Every function takes and returns local (per-shard) values: the engine adds the shard sums.
 """
 
@@ -17,9 +25,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int8
+from jaxtyping import Array, Bool, Float, Int, Int8, Shaped
 
-from ._gemms import check_sum_terms
+from ._gemms import check_sum_terms, dot, HIGHEST
 from ._quantize import QMAX
 
 
@@ -177,3 +185,46 @@ def channel_dw(xsum: Float[Array, "b h"], am: Float[Array, "b d"]) -> Float[Arra
     for b in range(1, xsum.shape[0]):
         total = total + xsum[b][:, None] * am[b][None, :]
     return total
+
+
+def _in_group(group_sizes: Int[Array, " e"], n: int) -> Bool[Array, "n e"]:
+    """Whether row `i` belongs to group `e` (the groups are consecutive runs of rows; rows
+    past the last group belong to none)."""
+    ends = jnp.cumsum(group_sizes)
+    row = jnp.arange(n, dtype=ends.dtype)[:, None]
+    return (row >= (ends - group_sizes)[None, :]) & (row < ends[None, :])
+
+
+def ragged_gemm(
+    lhs: Shaped[Array, "n k"],
+    rhs: Shaped[Array, "e ..."],
+    group_sizes: Int[Array, " e"],
+    axis: int,
+) -> Shaped[Array, "n m"]:
+    """`lhs[i] . rhs[e(i)]` for every row `i` of group `e(i)`, contracting the last axis of
+    `lhs` with axis `axis` of `rhs` (int32 sums for int8 codes, else float32); rows past
+    the groups give 0.
+
+    Every row is multiplied by the weights of a chunk of experts in one GEMM and keeps its
+    own expert's result. The chunks' `(n, chunk, m)` results are at most the size of the `E`
+    masked copies of `lhs` of JAX's lowering (their multiply-adds are the same); `lhs` is
+    read as it is."""
+    E, (n, k) = rhs.shape[0], lhs.shape
+    m = rhs.shape[3 - axis]
+    chunk = max(1, min(E, E * k * lhs.dtype.itemsize // (4 * m)))
+    mask = _in_group(group_sizes, n)
+    parts = []
+    for lo in range(0, E, chunk):
+        part = dot(lhs, rhs[lo : lo + chunk], ((1,), (axis,)), precision=HIGHEST)
+        parts.append(jnp.sum(jnp.where(mask[:, lo : lo + chunk, None], part, 0), axis=1))
+    return sum(parts[1:], start=parts[0])
+
+
+def ragged_rows(
+    lhs: Shaped[Array, "n a"], rhs: Shaped[Array, "n b"], group_sizes: Int[Array, " e"]
+) -> Shaped[Array, "e a b"]:
+    """`lhs_e^T rhs_e` for every group of rows (int32 sums for int8 codes, else float32):
+    the rows of `lhs` masked per group, `(E, n, a)`, against `rhs` read once, one GEMM."""
+    mask = _in_group(group_sizes, lhs.shape[0]).T[:, :, None]
+    masked = jnp.where(mask, lhs[None], jnp.zeros((), lhs.dtype))
+    return dot(masked, rhs, ((1,), (0,)), precision=HIGHEST)

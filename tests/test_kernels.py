@@ -12,6 +12,12 @@ corrected float32 gradients agree to within `2**-16` of their largest entry (a b
 wide margin over both effects: the measured gap is near `2**-22`); a bf16 dX may in addition
 differ by one bf16 ulp (`2**-7` of the element) where that float difference flips its final
 rounding.
+
+The expert GEMMs' CPU forms (`ragged_gemm`, `ragged_rows`) do the multiply-adds of JAX's
+lowering of `ragged_dot_general` with the codes as plain GEMM operands: int32 sums of int8
+codes are exact in both, so every int8 policy's gradients agree bit for bit; float32 sums of
+`k` products in two orders differ by at most `2 (k - 1) 2**-24` of the sum of their
+magnitudes.
 """
 
 import jax
@@ -21,9 +27,10 @@ import numpy as np
 import pytest
 
 import s3req._backward as backward
-from policies import MXFP4, NoEC, Phi2D, Policy, TwoWayEC
-from s3req import qdot
-from s3req._kernels_cpu import code_sums, SUM_ALIGN
+import s3req._gemms as gemms
+from policies import FP8_E5M2, MXFP4, NoEC, Phi2D, Policy, TwoWayEC
+from s3req import qdot, qragged_dot
+from s3req._kernels_cpu import code_sums, ragged_gemm, ragged_rows, SUM_ALIGN
 from s3req._qdot import qdot_t
 
 from .helpers import ALL_POLICIES, dot_eqns, policy_id
@@ -121,3 +128,115 @@ def test_code_sums_over_tokens_exact(batch):
     got = jax.jit(lambda q: code_sums(q, 1))(q)
     assert got.dtype == jnp.float32 and got.shape == (batch, 11)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(q, np.int64).sum(axis=1))
+
+
+# Expert-sorted rows: 5 experts (expert 2 gets none), 3 rows past the last group.
+GROUPS = np.array([7, 4, 0, 9, 5], np.int32)
+ROWS = int(GROUPS.sum()) + 3
+
+
+def _ints(rng, shape):
+    return jnp.asarray(rng.integers(-127, 128, shape), jnp.int8)
+
+
+def _floats(rng, shape):
+    return jnp.asarray(
+        rng.standard_normal(shape) * np.exp(rng.standard_normal(shape)), jnp.float32
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float32])
+@pytest.mark.parametrize("axis", [1, 2])
+@pytest.mark.parametrize("k, m", [(4, 10), (24, 10), (64, 2)], ids=["1", "3", "all"])
+def test_ragged_gemm_matches_ragged_dot(dtype, axis, k, m):
+    """`ragged_gemm` (one GEMM per chunk of experts, each row keeping its expert's result)
+    against `jax.lax.ragged_dot_general`: exact for int8 codes, within the bound of two
+    summation orders of `k` terms for float32; the rows past the groups are 0. The widths
+    give chunks of one expert, of three and (for int8) of all five."""
+    rng = np.random.default_rng(axis)
+    make = _ints if dtype == jnp.int8 else _floats
+    lhs = make(rng, (ROWS, k))
+    rhs = make(rng, (5, k, m) if axis == 1 else (5, m, k))
+    gs = jnp.asarray(GROUPS)
+    want = gemms.ragged(lhs, rhs, gs, ((1,), (axis,)), True)
+    got = jax.jit(lambda l, r: ragged_gemm(l, r, gs, axis))(lhs, rhs)
+    assert got.dtype == want.dtype and got.shape == (ROWS, m)
+    assert not np.any(np.asarray(got)[-3:])
+    if dtype == jnp.int8:
+        np.testing.assert_array_equal(got, want)
+    else:
+        mag = gemms.ragged(jnp.abs(lhs), jnp.abs(rhs), gs, ((1,), (axis,)), True)
+        assert np.all(np.abs(got - want) <= 2 * (k - 1) * 2.0**-24 * np.asarray(mag))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float32])
+def test_ragged_rows_matches_ragged_dot(dtype):
+    """`ragged_rows` (the rows masked per expert against the other operand read once) against
+    the reference contraction of the rows: exact for int8 codes (the empty expert gets 0)."""
+    rng = np.random.default_rng(7)
+    make = _ints if dtype == jnp.int8 else _floats
+    lhs, rhs = make(rng, (ROWS, 6)), make(rng, (ROWS, 5))
+    gs = jnp.asarray(GROUPS)
+    got = jax.jit(lambda l, r: ragged_rows(l, r, gs))(lhs, rhs)
+    want = gemms.ragged_rows(lhs, rhs, gs)
+    assert got.dtype == want.dtype and got.shape == (5, 6, 5)
+    assert not np.any(np.asarray(got)[2])
+    if dtype == jnp.int8:
+        np.testing.assert_array_equal(got, want)
+    else:
+        k = int(GROUPS.max())
+        mag = gemms.ragged_rows(jnp.abs(lhs), jnp.abs(rhs), gs)
+        assert np.all(np.abs(got - want) <= 2 * (k - 1) * 2.0**-24 * np.asarray(mag))
+
+
+def _ragged_grads(policy, kernels, x, w, gs, g, key, row_id, example_id):
+    old = backward.KERNELS
+    backward.KERNELS = kernels
+    try:
+
+        def f(x, w):
+            return qragged_dot(
+                x,
+                w,
+                gs,
+                policy=policy,
+                key=key,
+                row_id=row_id,
+                example_id=example_id,
+                num_examples=2,
+            )
+
+        y, pull = jax.vjp(f, x, w)
+        return jax.jit(lambda: (y, *pull(g)))()
+    finally:
+        backward.KERNELS = old
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [Policy(Phi2D()), Policy(Phi2D(), TwoWayEC()), Policy(Phi2D(), TwoWayEC(), fmt=FP8_E5M2)],
+    ids=["int8", "int8-two-way", "fp8-two-way"],
+)
+def test_qragged_dot_cpu_gemms_agree_with_reference(policy, getkey, monkeypatch):
+    """`qragged_dot` with the CPU expert GEMMs against the reference: y, dX and dW bit for
+    bit for int8 codes (also with dW's rows in chunks of 8, `DW_CHUNK`), within the float32
+    bound for FP8 values (their GEMMs are float32 products of `k <= 24` terms)."""
+    rng = np.random.default_rng(0)
+    n = int(GROUPS.sum())
+    x, w, g = _floats(rng, (n, 24)), _floats(rng, (5, 24, 16)), _floats(rng, (n, 16))
+    row_id = jnp.asarray(rng.permutation(n), jnp.int32)
+    example_id = row_id // (n // 2 + 1)
+    key = getkey()
+    args = (x, w, jnp.asarray(GROUPS), g, key, row_id, example_id)
+    ref = _ragged_grads(policy, "reference", *args)
+    cpu = _ragged_grads(policy, "cpu", *args)
+    monkeypatch.setattr(gemms, "MAX_TERMS", 8)
+    monkeypatch.setattr(gemms, "DW_CHUNK", 8)
+    chunked = _ragged_grads(policy, "cpu", *args)
+    for name, a, b, c in zip(("y", "dX", "dW"), ref, cpu, chunked):
+        a, b, c = (np.asarray(v, np.float32) for v in (a, b, c))
+        if policy.fmt is FP8_E5M2 and name != "y":
+            assert np.abs(a - b).max() <= 2.0**-16 * np.abs(a).max(), name
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+            np.testing.assert_array_equal(a, c, err_msg=name)
