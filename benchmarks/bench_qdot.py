@@ -18,12 +18,12 @@ adds to each policy's time.
 
 **MoE.** `qragged_dot` runs on the gate/up expert GEMM (`d_model -> d_expert`) of each
 MoE preset (`--moe`) with the preset's experts and top-k, tokens in examples of 512 routed by
-the top-k of random logits, rows sorted by expert as `models.MoE` sorts them. XLA:CPU runs
-`ragged_dot` as a dense GEMM over every expert's weights with the other experts' rows masked
-(`experts` times the multiply-adds), so the size is set by the executed work
-(`MOE_BUDGET`, `--moe-budget`): the most tokens (up to 8192) at the preset's widths, or 512
-tokens with `d_model` and `d_expert` scaled down by a common factor (keeping their ratio,
-multiples of 128; the page marks the row).
+the top-k of random logits, rows sorted by expert as `models.MoE` sorts them. XLA:CPU has no
+grouped GEMM: an expert GEMM runs as a dense GEMM of every row against every expert's weights
+(`s3req/_kernels_cpu.py`, `experts` times the multiply-adds), so the size is set by the
+executed work (`MOE_BUDGET`, `--moe-budget`): the most tokens (up to 8192) at the preset's
+widths, or 512 tokens with `d_model` and `d_expert` scaled down by a common factor (keeping
+their ratio, multiples of 128; the page marks the row).
 
     python benchmarks/bench_qdot.py [--shapes 4x256x1024x4096,...] [--repeats 15]
         [--moe tiny-moe,qwen3-30b-a3b,deepseek-v2-lite | none] [--moe-budget 1.7e10]
@@ -101,8 +101,8 @@ MOE_PRESETS = "tiny-moe,qwen3-30b-a3b,deepseek-v2-lite"
 MOE_POLICIES = ("bf16", "rtne", "sr", "s3r", "s3r-ec-dx", "s3r-ec-2way")
 MOE_BUDGET = 4 * (4 * 256 * 1024 * 4096)
 """Most multiply-adds XLA:CPU executes for one benchmarked expert GEMM (`experts x rows x
-d_in x d_out`: its `ragged_dot` is a dense GEMM over all experts' weights with the rows of the
-other experts masked): four times the GEMM of the first dense shape."""
+d_in x d_out`: an expert GEMM is a dense GEMM of every row against all experts' weights):
+four times the GEMM of the first dense shape."""
 MOE_MAX_TOKENS = 8192
 MOE_SEQ = 512
 """Tokens per example of the MoE runs (the examples are the EC segments' other half)."""
@@ -247,7 +247,7 @@ def moe_shape(preset: str, budget: float = MOE_BUDGET) -> dict:
     """The gate/up expert GEMM of an MoE preset as benchmarked: the preset's experts `E`,
     top-k, `d_model` (`h`) and `d_expert` (`d`), and the most tokens (a multiple of 512, at
     most `MOE_MAX_TOKENS`) for which the executed multiply-adds `E x rows x h x d` stay
-    within `budget` (XLA:CPU runs `ragged_dot` masked over all experts); if even 512 tokens
+    within `budget` (XLA:CPU multiplies every row by all experts' weights); if even 512 tokens
     exceed it, 512 tokens with `h` and `d` scaled down by a common factor (keeping `d / h`,
     multiples of 128, rounded down)."""
     cfg = models.get_config(preset).moe
@@ -607,10 +607,11 @@ def _markdown(meta, runs) -> str:
             "preset: its experts and top-k, examples of up to 512 tokens routed to the top-k "
             "of random logits (rows sorted by expert as `models.MoE` sorts them; the "
             "smallest and largest expert group are given), EC over (example, expert) "
-            "segments. XLA:CPU runs `ragged_dot` as one dense GEMM over all experts' weights "
-            "with the other experts' rows masked, `experts` times the multiply-adds of the "
-            "expert GEMM (so the GEMMs dominate more here than on an accelerator, where they "
-            "are grouped); the sizes keep that executed work within "
+            "segments. XLA:CPU has no grouped GEMM: the expert GEMM runs as a dense GEMM of "
+            "every row against all experts' weights, each row keeping its own expert's result "
+            "(`s3req/_kernels_cpu.py`), `experts` times the multiply-adds of the expert GEMM "
+            "(so the GEMMs dominate more here than on an accelerator, where they are "
+            "grouped); the sizes keep that executed work within "
             f"{meta.get('moe_budget', MOE_BUDGET):.2g} multiply-adds per GEMM: the most "
             "tokens (up to 8192) at the preset's widths, or 512 tokens with the widths "
             "marked * scaled down by a common factor (ratio kept).",
