@@ -166,6 +166,40 @@ def _reading(rows: dict) -> str:
     return "Reading (generated): " + "; ".join(parts) + "."
 
 
+SHOWN_BLOCKERS = 3
+"""Blockers listed per buffer on the page (the largest; all are in the JSON)."""
+SHOWN_HOLE = 0.05
+"""The page explains the programs whose hole is at least this share of their heap."""
+
+
+def _cell(b: dict) -> str:
+    shape = b["shape"].split("{")[0]
+    return (
+        f"`{shape}` {b['size'] / MiB:.3f} MiB, steps {b['first']}-{b['last']}, "
+        f"{b['op_name'] or '(compiler copy)'}"
+    )
+
+
+def _top_table(rows: dict) -> list[str]:
+    """What sits above the live bytes and what kept it lower down, per program whose hole is
+    at least `SHOWN_HOLE` of its heap (`BufferPacking.top`, kept in the JSON)."""
+    out = [
+        "| shape | policy | above the live bytes | would fit at (MiB) | kept out by "
+        f"(blockers; the {SHOWN_BLOCKERS} largest) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for w, R in rows.items():
+        for p, r in R.items():
+            if r["hole"] < SHOWN_HOLE * r["heap"]:
+                continue
+            for t in r.get("top", []):
+                gap = "—" if t["gap"] is None else f"{_mib(t['gap'][0])}-{_mib(t['gap'][1])}"
+                big = sorted(t["blockers"], key=lambda b: -b["size"])[:SHOWN_BLOCKERS]
+                kept = f"{len(t['blockers'])}: " + "; ".join(_cell(b) for b in big)
+                out.append(f"| {w} | {p} | {_cell(t['buffer'])} | {gap} | {kept} |")
+    return out if len(out) > 2 else []
+
+
 def markdown(data: dict) -> str:
     rows = data.get("ffn", {})
     meta = data.get("meta", {})
@@ -206,6 +240,20 @@ def markdown(data: dict) -> str:
         "the thresholds, gets one too.",
         "",
     ]
+    top = _top_table(rows)
+    if top:
+        lines += [
+            "## What sits on top of the block",
+            "",
+            f"For the programs whose hole is {SHOWN_HOLE:.0%} of their heap or more (and whose "
+            "buffer assignment was read, "
+            "`BufferPacking.top`): the buffers placed above the live bytes, the lowest range "
+            "of the block they would fit in, and the buffers that overlap that range while "
+            "they live (the steps are the positions in XLA's schedule).",
+            "",
+            *top,
+            "",
+        ]
     return "\n".join(lines)
 
 

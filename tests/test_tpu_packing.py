@@ -164,3 +164,72 @@ def test_v5p_packing_of_a_layer():
     assert 0 < pk.live <= pk.heap <= m.temporaries
     assert abs(m.temporaries - pk.heap - pk.hole) <= MiB // 10, (m, pk)
     assert read.summary()["packing"]["hole"] == pk.hole
+
+
+def _packing_page_module():
+    import pathlib
+    import sys
+
+    benchmarks = str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    import tpu_packing
+
+    return tpu_packing
+
+
+def test_packing_page_names_what_sits_on_top():
+    """The page's top table lists a program whose hole is at least `SHOWN_HOLE` of its heap,
+    with the lowest range the top buffer fits in and its largest blockers, and leaves out
+    one whose packing has no such hole."""
+    tp = _packing_page_module()
+    MiB = 2**20
+
+    def buf(name, shape, size, first, last, op=""):
+        return {
+            "name": name,
+            "shape": shape + "{0}",
+            "offset": 0,
+            "size": size * MiB,
+            "first": first,
+            "last": last,
+            "first_instruction": name,
+            "last_instruction": name,
+            "op_name": op,
+        }
+
+    def row(heap, live, top):
+        hole = heap - live
+        return {
+            "temporaries": (heap + hole) * MiB,
+            "peak": (live + 10) * MiB,
+            "heap": heap * MiB,
+            "live": live * MiB,
+            "hole": hole * MiB,
+            "live_at": "fusion.1",
+            "top": top,
+            "commit": "abc1234",
+        }
+
+    grad = buf("g{1}", "bf16[4,4096,2048]", 64, 800, 1000, "reduce_max")
+    small = buf("u{}", "f32[2048]", 1, 700, 1100, "dot_general")
+    big = buf("q{}", "s8[4,4096,2048]", 32, 950, 1200)
+    top = [{"buffer": grad, "below": [], "gap": [70 * MiB, 134 * MiB], "blockers": [small, big]}]
+    data = {
+        "ffn": {
+            "W1": {
+                "s3r": row(270, 266, [{"buffer": grad, "below": [], "gap": None, "blockers": []}]),
+                "s3r-ec-2way": row(334, 270, top),
+            }
+        },
+        "meta": {"jax": "0", "topology": "v5p:2x2x1"},
+    }
+    page = tp.markdown(data)
+    section = page.split("## What sits on top of the block")[1]
+    lines = [line for line in section.splitlines() if line.startswith("| W1")]
+    assert len(lines) == 1 and "| s3r-ec-2way |" in lines[0]
+    assert "`bf16[4,4096,2048]` 64.000 MiB, steps 800-1000" in lines[0]
+    assert "| 70.0-134.0 |" in lines[0]
+    # the blockers by size, largest first, and their count
+    assert lines[0].index("`s8[4,4096,2048]`") < lines[0].index("`f32[2048]`")
+    assert "| 2: " in lines[0]
