@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
+import s3req._backward as backward
 from policies import (
     DxOnlyEC,
     Independent,
@@ -17,6 +18,42 @@ from policies import (
     Policy,
     TwoWayEC,
 )
+
+
+def with_kernels(kernels: str, fn):
+    """`fn` traced with `s3req._backward.KERNELS = kernels` (read at trace time): the
+    reference path, or one backend's kernels on this CPU."""
+
+    def wrapped(*args):
+        old = backward.KERNELS
+        backward.KERNELS = kernels
+        try:
+            return fn(*args)
+        finally:
+            backward.KERNELS = old
+
+    return wrapped
+
+
+def ragged_vjp(policy, x, w, gs, g, key, row_id, example_id, axes=None, *, num_examples):
+    """`(y, dX, dW)` of `qragged_dot` for the upstream gradient `g`."""
+    from s3req import qragged_dot
+
+    def f(x, w):
+        return qragged_dot(
+            x,
+            w,
+            gs,
+            policy=policy,
+            key=key,
+            row_id=row_id,
+            example_id=example_id,
+            num_examples=num_examples,
+            axes=axes,
+        )
+
+    y, pull = jax.vjp(f, x, w)
+    return (y, *pull(g))
 
 
 ALL_TOPOLOGIES = [

@@ -20,6 +20,8 @@ codes are exact in both, so every int8 policy's gradients agree bit for bit; flo
 magnitudes.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -29,11 +31,11 @@ import pytest
 import s3req._backward as backward
 import s3req._gemms as gemms
 from policies import FP8_E5M2, MXFP4, NoEC, Phi2D, Policy, TwoWayEC
-from s3req import qdot, qragged_dot
+from s3req import qdot
 from s3req._kernels_cpu import code_sums, ragged_gemm, ragged_rows, SUM_ALIGN
 from s3req._qdot import qdot_t
 
-from .helpers import ALL_POLICIES, dot_eqns, policy_id
+from .helpers import ALL_POLICIES, dot_eqns, policy_id, ragged_vjp, with_kernels
 
 
 def _grads(policy, x, w, g, key, kernels, transposed=False):
@@ -189,27 +191,9 @@ def test_ragged_rows_matches_ragged_dot(dtype):
         assert np.all(np.abs(got - want) <= 2 * (k - 1) * 2.0**-24 * np.asarray(mag))
 
 
-def _ragged_grads(policy, kernels, x, w, gs, g, key, row_id, example_id):
-    old = backward.KERNELS
-    backward.KERNELS = kernels
-    try:
-
-        def f(x, w):
-            return qragged_dot(
-                x,
-                w,
-                gs,
-                policy=policy,
-                key=key,
-                row_id=row_id,
-                example_id=example_id,
-                num_examples=2,
-            )
-
-        y, pull = jax.vjp(f, x, w)
-        return jax.jit(lambda: (y, *pull(g)))()
-    finally:
-        backward.KERNELS = old
+def _ragged_grads(policy, kernels, *args):
+    fn = with_kernels(kernels, functools.partial(ragged_vjp, policy, num_examples=2))
+    return jax.jit(fn)(*args)
 
 
 @pytest.mark.parametrize(

@@ -26,19 +26,20 @@ rescaling of the sums and the final `1 / s_x`, `1 / s_w`). The measured gap is n
 `2**-25` for dX and dW.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import s3req._backward as backward
 import s3req._kernels_tpu as kernels_tpu
 from policies import DxOnlyEC, NoEC, Phi2D, Policy, TwoWayEC
-from s3req import qragged_dot, ShardAxes
+from s3req import ShardAxes
 from s3req._kernels_tpu import EPS_DIGITS, int8_digits
 
-from .helpers import ALL_POLICIES, policy_id
+from .helpers import ALL_POLICIES, policy_id, ragged_vjp, with_kernels
 
 
 B, SEQ, TOP_K, E, H, D = 2, 8, 2, 4, 16, 12
@@ -70,36 +71,7 @@ def _problem(seed: int):
     return x, w, jnp.asarray(gs), g, jnp.asarray(order), jnp.asarray((order // TOP_K) // SEQ)
 
 
-def _traced(kernels, fn):
-    """`fn` traced with the given statistics kernel (`KERNELS` is read at trace time)."""
-
-    def wrapped(*args):
-        old = backward.KERNELS
-        backward.KERNELS = kernels
-        try:
-            return fn(*args)
-        finally:
-            backward.KERNELS = old
-
-    return wrapped
-
-
-def _vjp(policy, x, w, gs, g, key, row_id, example_id, axes=None):
-    def f(x, w):
-        return qragged_dot(
-            x,
-            w,
-            gs,
-            policy=policy,
-            key=key,
-            row_id=row_id,
-            example_id=example_id,
-            num_examples=B,
-            axes=axes,
-        )
-
-    y, pull = jax.vjp(f, x, w)
-    return (y, *pull(g))
+_vjp = functools.partial(ragged_vjp, num_examples=B)
 
 
 def _assert_agree(policy, ref, tpu):
@@ -124,7 +96,7 @@ def _agree(policies, key):
         out = []
         for p in policies:
             args = (p, x, w, gs, g, key, row_id, example_id)
-            out.append((_traced("reference", _vjp)(*args), _traced("tpu", _vjp)(*args)))
+            out.append((with_kernels("reference", _vjp)(*args), with_kernels("tpu", _vjp)(*args)))
         return out
 
     results = jax.jit(both)(x, w, gs, g, key)
@@ -164,7 +136,7 @@ def test_ragged_tpu_kernel_agrees_inside_shard_map(getkey):
     d, r = P("data"), P()
 
     def mapped(kernels):
-        fn = _traced(
+        fn = with_kernels(
             kernels,
             lambda x, w, g, gs, o, k: _vjp(policy, x, w, gs, g, k, o, o // (SEQ * TOP_K), axes),
         )
