@@ -50,7 +50,7 @@ import numpy as np
 
 import models
 from policies import AbstractTopology, Independent, Policy, PRESETS
-from s3req import Block, gradient_step, qdot, qragged_dot, quantize_gradient
+from s3req import Block, gradient_step, qdot, qragged_dot, quantize_gradient, Rows
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -60,9 +60,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 class JaxRandomIndependent(AbstractTopology):
     """Independent SR drawing its words with `jax.random.bits`, as AQT and Qwix do.
 
-    The same 23-bit thresholds as `Independent()` (bitwise, unsharded), from JAX's own
-    Threefry lowering instead of s3req's pure-jnp one. A benchmark-only topology: the peers'
-    cost of per-element randomness. Unsharded (`Block.whole`) layouts only.
+    On a dense layer the same 23-bit thresholds as `Independent()` (bitwise, unsharded),
+    from JAX's own Threefry lowering instead of s3req's pure-jnp one; on the expert-sorted
+    rows of `qragged_dot` (`Rows`), one word per element of the rows in their sorted order
+    (a per-position draw, not keyed by the token ids as `Independent()` is). A
+    benchmark-only topology: the peers' cost of per-element randomness. Unsharded layouts
+    only.
     """
 
     stochastic: typing.ClassVar[bool] = True
@@ -71,9 +74,14 @@ class JaxRandomIndependent(AbstractTopology):
         return False
 
     def thresholds(self, key, layout, product):
-        assert isinstance(layout, Block) and layout.shape == layout.global_shape
         assert key is not None
-        words = jax.random.bits(key, layout.shape, jnp.uint32)
+        if isinstance(layout, Rows):
+            assert layout.d_global in (None, layout.d)
+            shape = (layout.row_id.shape[0], layout.d)
+        else:
+            assert isinstance(layout, Block) and layout.shape == layout.global_shape
+            shape = layout.shape
+        words = jax.random.bits(key, shape, jnp.uint32)
         return (words >> jnp.uint32(9)).astype(jnp.int32), 23
 
 
@@ -98,7 +106,7 @@ TARGETS = [
     ("Independent SR, jax.random.bits / S3R", "sr-jax", "s3r", None),
 ]
 MOE_PRESETS = "tiny-moe,qwen3-30b-a3b,deepseek-v2-lite"
-MOE_POLICIES = ("bf16", "rtne", "sr", "s3r", "s3r-ec-dx", "s3r-ec-2way")
+MOE_POLICIES = ("bf16", "rtne", "sr", "sr-jax", "s3r", "s3r-ec-dx", "s3r-ec-2way")
 MOE_BUDGET = 4 * (4 * 256 * 1024 * 4096)
 """Most multiply-adds XLA:CPU executes for one benchmarked expert GEMM (`experts x rows x
 d_in x d_out`: an expert GEMM is a dense GEMM of every row against all experts' weights):
@@ -301,8 +309,7 @@ def bench_moe(preset: str, repeats: int, budget: float = MOE_BUDGET, dtype=jnp.b
     g = (jr.normal(ks[3], (n, D)) * jnp.exp(jr.normal(ks[4], (n, D)))).astype(dtype)
     args = (x, w, g, jr.key(1), group_sizes, order, example)
     fns = {
-        p: (lambda *a, p=p: _ragged_fwd_bwd(PRESETS.get(p), *a, num_examples=B))
-        for p in MOE_POLICIES
+        p: (lambda *a, p=p: _ragged_fwd_bwd(POLICIES[p], *a, num_examples=B)) for p in MOE_POLICIES
     }
     raw, faults, cpu = {}, {}, {}
     jitted = {p: jax.jit(f) for p, f in fns.items()}
