@@ -16,7 +16,7 @@ import pytest
 from policies import Nearest, NoEC, Policy, PRESETS, TwoWayEC
 from s3req import FP8_E5M2, INT4, MXFP4, qdot, qragged_dot, QuantLinear
 
-from .helpers import ALL_CORRECTIONS, ALL_TOPOLOGIES, policy_id
+from .helpers import ALL_CORRECTIONS, ALL_TOPOLOGIES, policy_id, ragged_vjp
 
 
 # Every topology x correction (round-to-nearest takes no correction: Policy refuses it).
@@ -101,18 +101,7 @@ def _ragged(key, n_examples=2, seq=64, top_k=2, E=4):
 def _ragged_vjp(policy, gs, row_id, example_id, n_ex):
     @eqx.filter_jit
     def run(x, w, g, key):
-        f = lambda x, w: qragged_dot(
-            x,
-            w,
-            gs,
-            policy=policy,
-            key=key,
-            row_id=row_id,
-            example_id=example_id,
-            num_examples=n_ex,
-        )
-        y, pull = jax.vjp(f, x, w)
-        return (y, *pull(g))
+        return ragged_vjp(policy, x, w, gs, g, key, row_id, example_id, num_examples=n_ex)
 
     return run
 

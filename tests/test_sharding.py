@@ -16,7 +16,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from policies import Independent, Phi2D, PhiBcast, Policy, TwoWayEC
 from s3req import Block, gradient_codes, qdot, ShardAxes
 
-from .helpers import ALL_POLICIES, policy_id, STOCHASTIC_TOPOLOGIES
+from .helpers import ALL_POLICIES, policy_id, ragged_vjp, STOCHASTIC_TOPOLOGIES
 
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
@@ -261,7 +261,6 @@ def test_qragged_dot_inside_shard_map(layout, policy, getkey):
     """The expert GEMM inside shard_map, rows split over the batch axis and features over the
     other, agrees with the unsharded expert GEMM (float tolerance): forward, dX row by row
     (matched by global id) and dW."""
-    from s3req import qragged_dot
 
     B = 8
     key = getkey()
@@ -271,21 +270,8 @@ def test_qragged_dot_inside_shard_map(layout, policy, getkey):
         xp, gp, w, (order, gs), (sorder, sgs), rows_per_example = _ragged_problem(key, nb)
 
         def run(x, w, g, gs, order, k_, axes=None):
-            def f(x, w):
-                return qragged_dot(
-                    x,
-                    w,
-                    gs,
-                    policy=policy,
-                    key=k_,
-                    row_id=order,
-                    example_id=order // rows_per_example,
-                    num_examples=B,
-                    axes=axes,
-                )
-
-            y, pull = jax.vjp(f, x, w)
-            return (y, *pull(g))
+            example_id = order // rows_per_example
+            return ragged_vjp(policy, x, w, gs, g, k_, order, example_id, axes, num_examples=B)
 
         y_ref, dx_ref, dw_ref = jax.jit(run)(xp[order], w, gp[order], gs, order, key)
         mesh = _mesh(mesh_shape)
