@@ -206,9 +206,9 @@ def ragged_gemm(
     the groups give 0.
 
     Every row is multiplied by the weights of a chunk of experts in one GEMM and keeps its
-    own expert's result. The chunks' `(n, chunk, m)` results are at most the size of the `E`
-    masked copies of `lhs` of JAX's lowering (their multiply-adds are the same); `lhs` is
-    read as it is."""
+    own expert's result. A chunk holds as many experts as keep its `(n, chunk, m)` result
+    within the size of the `E` masked copies of `lhs` of JAX's lowering (at least one
+    expert; the multiply-adds are the same); `lhs` is read as it is."""
     E, (n, k) = rhs.shape[0], lhs.shape
     m = rhs.shape[3 - axis]
     chunk = max(1, min(E, E * k * lhs.dtype.itemsize // (4 * m)))
