@@ -117,9 +117,11 @@ class AbstractLayer(eqx.Module):
     """The roles whose shards hold different segments (their terms are summed over them)."""
 
     @abc.abstractmethod
-    def per_backend(self, reference: _T, cpu: _T) -> _T:
-        """`reference`, or in programs lowered for the CPU the values `cpu` of this layer's
-        CPU kernel, where it has one (both are traced; the program keeps one)."""
+    def error_sums(self, errors: _T, codes: _T) -> _T:
+        """The sums of `E` over the channels of every row and over the rows of every segment,
+        `(rows, segments)`: `errors` (`E` formed inside the sums, the reference) or, in the
+        programs of a backend whose kernel sums the codes and `G'` apart, `codes` (both are
+        traced; the program keeps one)."""
 
     @abc.abstractmethod
     def weight_absmax(self, w: Array) -> Array:
@@ -137,6 +139,11 @@ class AbstractLayer(eqx.Module):
     @abc.abstractmethod
     def fold(self, g: Array, sx: Array, sw: Array) -> Array:
         """`G' = s_x G s_w` in float32."""
+
+    @abc.abstractmethod
+    def folded_segment_sums(self, gp: Array, g: Array, shift: Array, sx: Array, sw: Array):
+        """`segment_sums(gp)` of `gp = fold(g * shift, sx, sw)`, which a kernel may compute
+        from the fold's inputs (`shift` a power of two)."""
 
     @abc.abstractmethod
     def layout(self, gp: Array) -> Layout:
@@ -219,8 +226,8 @@ class Dense(AbstractLayer):
     def _h_axis(self) -> int:  # the axis of w holding d_in; the other holds d_out
         return 1 if self.transposed else 0
 
-    def per_backend(self, reference, cpu):
-        return _per_backend(lambda r, c: r, reference, cpu, cpu=lambda r, c: c)
+    def error_sums(self, errors, codes):
+        return _per_backend(lambda e, c: e, errors, codes, cpu=lambda e, c: c)
 
     def weight_absmax(self, w):
         return finite_absmax(w, axis=self._h_axis, keepdims=True)
@@ -240,6 +247,9 @@ class Dense(AbstractLayer):
             sw,
             cpu=_kernels_cpu.fold_scales,
         )
+
+    def folded_segment_sums(self, gp, g, shift, sx, sw):
+        return self.segment_sums(gp)
 
     def layout(self, gp):
         B, S, D = gp.shape
@@ -319,7 +329,8 @@ class Ragged(AbstractLayer):
 
     The segment sums and `Xq_e^T eps_e` are `jax.ops.segment_sum`s here and the dX terms of
     the error correction gathers of per-expert and per-segment values; on TPU the sums run as
-    ragged contractions and both dX terms as one ragged product (`_kernels_tpu.py`). On CPU
+    ragged contractions (those of `E` as the sums of the codes minus those of `G'`, read from
+    the upstream gradient) and both dX terms as one ragged product (`_kernels_tpu.py`). On CPU
     the three GEMMs read the codes as plain GEMM operands (`_kernels_cpu.ragged_gemm`,
     `ragged_rows`): XLA:CPU has no grouped GEMM.
     """
@@ -350,8 +361,10 @@ class Ragged(AbstractLayer):
     def _segments(self) -> int:
         return self.num_examples * self._experts
 
-    def per_backend(self, reference, cpu):
-        return reference  # the error sums on every backend
+    def error_sums(self, errors, codes):
+        # On TPU the segment sums from the codes and `G'` apart: those of `G'` read the
+        # upstream gradient (`folded_segment_sums`) where those of `E` write `E` to memory.
+        return _per_backend(lambda e, c: e, errors, codes, tpu=lambda e, c: (e[0], c[1]))
 
     def weight_absmax(self, w):
         return finite_absmax(w, axis=1, keepdims=True)
@@ -374,6 +387,20 @@ class Ragged(AbstractLayer):
 
     def fold(self, g, sx, sw):
         return sx * g.astype(_F32) * self.row_scales(sw)
+
+    def folded_segment_sums(self, gp, g, shift, sx, sw):
+        B, example, gs = self.num_examples, self.example_id, self.group_sizes
+        return _per_backend(
+            lambda gp, g, shift, sx, sw: self.segment_sums(gp),
+            gp,
+            g,
+            shift,
+            sx,
+            sw,
+            tpu=lambda gp, g, shift, sx, sw: _kernels_tpu.folded_segment_sums(
+                g, shift, sx, sw, example, B, gs
+            ),
+        )
 
     def layout(self, gp):
         d = gp.shape[-1]
@@ -463,14 +490,19 @@ class _ErrorTerms(AbstractErrorTerms):
 
     The statistics are sums of the error `E = Delta Q - G'` over the channels of every row
     and over the rows of every segment. The reference path sums `E` element by element
-    (`_error_sums`); the CPU kernel sums the codes and `G'` apart (`sum E = Delta sum Q -
-    sum G'`, `_code_sums`). (`G' / Delta` is clipped to the grid before rounding; only the
-    largest element can be clipped, by a float rounding, so the two agree to float
-    precision.)
+    (`_error_sums`); the dense layer's CPU kernel sums the codes and `G'` apart (`sum E =
+    Delta sum Q - sum G'`, `_code_sums`), and so does the expert GEMM's TPU kernel for the
+    segment sums, those of `G'` read from the upstream gradient (`folded_segment_sums`).
+    (`G' / Delta` is clipped to the grid before rounding; only the largest element can be
+    clipped, by a float rounding, so the two agree to float precision: to within a few
+    roundings of the sums of `|G'|`, where the element sums are within a few of the sums of
+    `|E|`.)
+
+    `fold_inputs` are `(g, shift, sx, sw)` with `gp = layer.fold(g * shift, sx, sw)`.
     """
 
-    def __init__(self, layer: AbstractLayer, gp, codes_dx, codes_dw, xq, wq):
-        self.layer, self.gp, self.xq, self.wq = layer, gp, xq, wq
+    def __init__(self, layer: AbstractLayer, gp, fold_inputs, codes_dx, codes_dw, xq, wq):
+        self.layer, self.gp, self.fold_inputs, self.xq, self.wq = layer, gp, fold_inputs, xq, wq
         self.codes = {"dx": codes_dx, "dw": codes_dw}
         self._cache = {}
 
@@ -478,8 +510,8 @@ class _ErrorTerms(AbstractErrorTerms):
     def _gp_sums(self):
         ax, layer = self.layer.axes, self.layer
         rows = ax.psum(layer.row_sums(self.gp), "d_out")
-        segments = ax.psum(layer.segment_sums(self.gp), *layer.segment_roles)
-        return rows, segments
+        gp_segments = layer.folded_segment_sums(self.gp, *self.fold_inputs)
+        return rows, ax.psum(gp_segments, *layer.segment_roles)
 
     def _means(self, which: Literal["dx", "dw"]):
         """Token means `eps` (per row) and centred channel means `a - m` (per segment) of the
@@ -495,7 +527,7 @@ class _ErrorTerms(AbstractErrorTerms):
         ax, layer = self.layer.axes, self.layer
         channels = self.gp.shape[-1] * ax.size("d_out")
         tokens = layer.segment_tokens(self.gp)
-        rows, segments = layer.per_backend(self._error_sums(q, step), self._code_sums(q, step))
+        rows, segments = layer.error_sums(self._error_sums(q, step), self._code_sums(q, step))
         eps = rows / channels
         a = segments / _column(tokens)
         m = ax.psum(layer.segment_sums(eps), *layer.segment_roles) / tokens
@@ -712,7 +744,7 @@ def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g):
     dx = codes_dx[1] * ax.psum(layer.gemm_dx(codes_dx[0], wq), "d_out")
     dw = codes_dw[1] * ax.psum(layer.gemm_dw(xq, codes_dw[0]), "batch", "seq")
     # S3R-EC: the correction subtracts parts of the structured error's image.
-    terms = _ErrorTerms(layer, gp, codes_dx, codes_dw, xq, wq)
+    terms = _ErrorTerms(layer, gp, (g, pow2(c), sx, sw), codes_dx, codes_dw, xq, wq)
     dx, dw = policy.correction.correct(terms, dx, dw)
     return unshift(dx / sx, b + c), unshift(layer.weight_gradient(dw, sw), a + c)
 

@@ -63,6 +63,7 @@ forms, so CPU runs the reference. `_backward.Ragged` chooses per backend (`_per_
 Every function takes and returns local (per-shard) values: the engine adds the shard sums.
 """
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Int8, Shaped
 
@@ -82,6 +83,10 @@ SEGMENT_CHUNK = 2**17
 """Rows per ragged contraction in `segment_sums` (XLA pads its boolean mask to `128 x E x
 rows` bytes: 2 GiB at 128 experts)."""
 
+FOLD_CHUNK = 2**16
+"""Rows per ragged contraction in `folded_segment_sums`: XLA writes each chunk of `g` to
+memory before the contraction reads it."""
+
 
 def segment_sums(
     v: Shaped[Array, "n ..."],
@@ -99,6 +104,57 @@ def segment_sums(
     sums = ragged_row_chunks(lhs, rows, group_sizes, SEGMENT_CHUNK)  # (E, B, c)
     segments = num_examples * group_sizes.shape[0]
     return jnp.swapaxes(sums, 0, 1).reshape(segments, *v.shape[1:])
+
+
+def _bf16_pieces(v: Float[Array, "..."]) -> list[Array]:
+    """`v` as three bfloat16 arrays whose float32 sum is `v` to within `2**-24 |v|` (8
+    significand bits each)."""
+    pieces = []
+    for _ in range(3):
+        pieces.append(v.astype(jnp.bfloat16))
+        v = v - pieces[-1].astype(_F32)
+    return pieces
+
+
+def _bf16_ragged_rows(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
+    """`lhs_e^T rhs_e` of bfloat16 operands for every group of rows, with float32 sums
+    (every product of two bfloat16 numbers is exact in float32)."""
+    dn = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (0,)), ((), ())),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[],
+    )
+    return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dn, preferred_element_type=_F32)
+
+
+def folded_segment_sums(
+    g: Float[Array, "n d"],
+    shift: Float[Array, ""],
+    sx: Float[Array, "n 1"],
+    sw: Float[Array, "e 1 d"],
+    example_id: Int[Array, " n"],
+    num_examples: int,
+    group_sizes: Int[Array, " e"],
+) -> Float[Array, "segments d"]:
+    """The sums over every `(example, expert)` segment of `G' = s_x (g shift) s_w`, read from
+    `g` itself: `sw_e * sum_t s_x,t (g_t shift)`, the sums over rows a ragged contraction of
+    the one-hot of the examples scaled by `s_x` with `g shift` (`shift` a normal power of
+    two, so `g shift` is exact in bfloat16). For bfloat16 `g` the scaled one-hot is cut into
+    three bfloat16 pieces (`_bf16_pieces`): a bfloat16 contraction with float32 sums reads
+    `g` as it is, where a float32 one would write `g` converted to float32 (and the
+    reference, `segment_sums` of `G'`, writes `G'`) to memory."""
+    onehot = _examples(example_id, num_examples, _F32) * sx
+    if g.dtype == jnp.bfloat16:
+        lhs = jnp.concatenate(_bf16_pieces(onehot), axis=1)
+        rhs = g * shift.astype(g.dtype)
+        parts = ragged_row_chunks(lhs, rhs, group_sizes, FOLD_CHUNK, _bf16_ragged_rows)
+        hi, mid, lo = jnp.split(parts, 3, axis=1)  # (E, B, d) each
+        sums = hi + mid + lo
+    else:
+        rhs = g.astype(_F32) * shift
+        sums = ragged_row_chunks(onehot, rhs, group_sizes, FOLD_CHUNK)
+    sums = sums * sw
+    return jnp.swapaxes(sums, 0, 1).reshape(num_examples * group_sizes.shape[0], -1)
 
 
 EPS_DIGITS = 4
