@@ -12,9 +12,14 @@ product. XLA TPU (v5p) compiles both into buffers of the activations' size:
 
 Here the segment sums are ragged contractions of the rows with the one-hot matrix of their
 example (a ragged contracting dimension, int8 x int8 with int32 sums for codes, float32 for
-floats): XLA computes both operands inside the contraction. `Xq_e^T eps_e` is an int8 ragged
-contraction of `Xq` with `EPS_DIGITS` signed base-128 int8 digits of `eps` (`int8_digits`),
-exact in int32, the digits' remainder below float32 precision.
+floats): XLA computes both operands inside the contraction. Those of `E` are taken as
+`Delta` times the exact sums of the codes minus those of `G' = s_x G s_w`, and the sums of
+`G'` as `s_w` times a ragged contraction of the one-hot scaled by `s_x` with the upstream
+gradient itself (`folded_segment_sums`): as an operand, `E` (or `G'`) is a float32 `(n, d)`
+array that XLA writes to memory, where `G` is already there (bfloat16, half the bytes) and
+only its row chunks (`FOLD_CHUNK`) are copied. `Xq_e^T eps_e` is an int8 ragged contraction
+of `Xq` with `EPS_DIGITS` signed base-128 int8 digits of `eps` (`int8_digits`), exact in
+int32, the digits' remainder below float32 precision.
 
 The two dX terms of two-way EC, `eps * (Wq_e 1_D)` and `(a - m)_(b, e) Wq_e^T` of every row,
 are one float32 ragged product (`structured_dx`) of the rows `[eps, one-hot of the example]`
@@ -26,35 +31,24 @@ The product writes one such array, after the statistics it needs. (The engine ad
 sums of the `(E, h)` row sums and of the `(segments, h)` channel terms, never of a per-row
 array.)
 
-Measured with `benchmarks/tpu_moe_layer.py --mode shard_map_tp --packing` (Qwen3-30B-A3B's
-expert GEMMs laid out as Table IV's step: v5p 2x2x1 as `data=2 x tp=2`, 262144 rows per
-`data` shard, `up` column-parallel (`d_out = tp`), `down` row-parallel (`d_in = tp`), as the
-FFN), two-way EC over S3R in MiB per chip, temporaries / XLA's peak (S3R: up 5445 / 7682,
-down 4217 / 7412):
+Measured with `benchmarks/tpu_moe_layer.py --mode shard_map_tp --packing [--kernels
+reference]` (Qwen3-30B-A3B's expert GEMMs laid out as Table IV's step: v5p 2x2x1 as
+`data=2 x tp=2`, 262144 rows per `data` shard, `up` column-parallel (`d_out = tp`), `down`
+row-parallel (`d_in = tp`), as the FFN), two-way EC over S3R in MiB per chip, temporaries /
+XLA's peak (S3R: up 5445 / 7682, down 4217 / 7412):
 
 | forms (`--kernels`) | up `(n, 2048) @ (128, 2048, 768)` | down `(n, 768) @ (128, 768, 2048)` |
 | --- | --- | --- |
-| reference | +5109 / +1990 | +538 / -11 |
-| these | +73 / +837 | +3253 / +1107 |
-| these, the dX terms gathered as the reference | +2462 / +2294 | +3669 / +1429 |
-| reference, these dX terms | +3133 / +154 | +119 / +84 |
-
-These forms save the most temporaries at the up GEMM. At the down GEMM (`d = 2048`) the
-segment sums of `E` as ragged contractions write `E` and its row chunks (`SEGMENT_CHUNK`) to
-memory, 4 GiB here, which stays open.
+| reference | +5110 / +1990 | +538 / -11 |
+| these (`auto`) | +180 / +507 | +343 / +148 |
 
 XLA:TPU computes a ragged contraction (contracting the rows) as a masked convolution over
 all experts, and besides the `(E, rows)` mask it uses it writes an `(E, rows, 1)` boolean
 one (only a scheduling dependency) that its tiled layout pads to `128 E rows` bytes: 2 GiB
 at 131072 rows and 128 experts. `segment_sums` therefore contracts at most `SEGMENT_CHUNK`
-rows at a time, as the dW GEMM does (`ragged_token_contraction`, `DW_CHUNK`). In Table IV's
-Qwen3-30B-A3B step (`benchmarks/tpu_compile.py --parts table4 --layers 1`, fsdp=2 x tp=2,
-`compile_for_tpu(..., buffers=True)`) the sorted expert rows are not split over `fsdp`
-(524288 rows per chip), and unchunked every segment sum wrote an 8 GiB mask; one of them sat
-at two-way EC's busiest instruction. Over S3R (heap 35.81 GiB, 34.86 GiB live at the
-busiest instruction) two-way EC took a heap of 49.32 GiB, 46.69 GiB live; with the chunks
-42.82 GiB, 40.12 GiB live, and XLA's peak 47.09 GiB (S3R 41.82; unchunked 53.65 in
-`docs/results/tpu_table4.md`).
+rows at a time, as the dW GEMM does (`ragged_token_contraction`, `DW_CHUNK`): a chip of Table
+IV's Qwen3-30B-A3B step holds 262144 expert rows (its `s32[262144, 2048]` buffers), where
+one unchunked segment sum's mask would take 4 GiB.
 
 On XLA:CPU the ragged contractions run masked over all experts, slower than the reference
 forms, so CPU runs the reference. `_backward.Ragged` chooses per backend (`_per_backend`);
