@@ -444,7 +444,13 @@ class Ragged(AbstractLayer):
         return _sum(wq, 2)
 
     def token_dx(self, eps, rw):
-        return eps[:, None] * rw[self._expert]
+        gs = self.group_sizes
+        return _per_backend(
+            lambda eps, rw: eps[:, None] * rw[self._expert],
+            eps,
+            rw,
+            tpu=lambda eps, rw: _kernels_tpu.token_dx(eps, rw, gs),
+        )
 
     def channel_dx(self, am, wq):
         B, E = self.num_examples, self._experts

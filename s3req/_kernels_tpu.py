@@ -27,9 +27,10 @@ with every expert's `(1 + B, h)` matrix of its row sums and its segments' channe
 reference gathers both per row (`rw[expert]`, `v[segment]`): XLA:TPU runs a gather as its own
 kernel and writes an `(n, h)` float32 array for each; the row sums' gather depends only on
 the weights and the routing, so XLA computes it early and keeps it until the dX correction.
-The product writes one such array, after the statistics it needs. (The engine adds the shard
-sums of the `(E, h)` row sums and of the `(segments, h)` channel terms, never of a per-row
-array.)
+The product writes one such array, after the statistics it needs; dX-only EC's term
+`eps * (Wq_e 1_D)` is the same product of the rows `eps` alone (`token_dx`). (The engine adds
+the shard sums of the `(E, h)` row sums and of the `(segments, h)` channel terms, never of a
+per-row array.)
 
 Measured with `benchmarks/tpu_moe_layer.py --mode shard_map_tp --packing [--kernels
 reference]` (Qwen3-30B-A3B's expert GEMMs laid out as Table IV's step: v5p 2x2x1 as
@@ -41,6 +42,10 @@ XLA's peak (S3R: up 5445 / 7682, down 4217 / 7412):
 | --- | --- | --- |
 | reference | +5110 / +1990 | +538 / -11 |
 | these (`auto`) | +180 / +507 | +343 / +148 |
+
+dX-only EC over S3R takes +2 / +2 (up) and +78 / +80 (down) with these forms. One layer
+alone does not show the row sums' gather kept long: in Table IV's steps (full
+rematerialisation) it is, and there `token_dx` lowers dX-only's surplus (the page's rows).
 
 XLA:TPU computes a ragged contraction (contracting the rows) as a masked convolution over
 all experts, and besides the `(E, rows)` mask it uses it writes an `(E, rows, 1)` boolean
@@ -181,6 +186,14 @@ def token_dw(
     digits, weights = int8_digits(eps)
     parts = ragged_token_contraction(xq, digits, group_sizes)  # (E, h, digits)
     return jnp.sum(parts * weights[None, None, :], axis=2, keepdims=True)
+
+
+def token_dx(
+    eps: Float[Array, " n"], rw: Float[Array, "e h"], group_sizes: Int[Array, " e"]
+) -> Float[Array, "n h"]:
+    """`eps * rw[expert]` of every row, dX-only EC's term, as a float32 ragged product of the
+    rows `eps` `(n, 1)` with every expert's row sums `(1, h)`."""
+    return ragged(eps[:, None], rw[:, None, :], group_sizes, ((1,), (1,)), True)
 
 
 def structured_dx(

@@ -4,7 +4,8 @@
 ragged contractions with the one-hot of the examples, `Xq_e^T eps_e` from int8 digits of
 `eps`, both dX terms as one float32 ragged product. Where the statistics are not used (no
 error correction) or only the row sums are (`DxOnlyEC`: `eps` comes from the same row sums
-in both), the arithmetic is the same and the gradients agree bit for bit. Two-way EC differs
+in both, and its term `eps * rw` is one product of one row and one expert in both), the
+arithmetic is the same and the gradients agree bit for bit. Two-way EC differs
 in three places:
 
 - the segment sums of `E` and of `eps` are float32 sums of the `k` rows of a segment in
