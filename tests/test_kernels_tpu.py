@@ -190,11 +190,30 @@ def test_segment_sums_in_row_chunks(monkeypatch, dtype):
         assert np.all(np.abs(got - want) <= 2 * (k - 1) * 2.0**-24 * np.asarray(mag))
 
 
+def _routed(seed: int, examples: int, seq: int, top_k: int, experts: int, empty: int):
+    """`(group_sizes, example_id)` of expert-sorted rows: every token of `examples x seq`
+    routed to `top_k` distinct random experts, never `empty`."""
+    rng = np.random.default_rng(seed)
+    used = np.array([e for e in range(experts) if e != empty])
+    flat = np.stack([rng.choice(used, top_k, replace=False) for _ in range(examples * seq)])
+    flat = flat.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    gs = np.bincount(flat, minlength=experts).astype(np.int32)
+    return jnp.asarray(gs), jnp.asarray((order // top_k) // seq, jnp.int32)
+
+
+# (examples, tokens per example, top-k, experts, d, rows per chunk): this file's toy problem,
+# and Qwen3-30B-A3B's routing (top-8 of 128 experts) on 4 x 512 tokens, chunks of 5000 rows.
+FOLD_SHAPES = {"toy": (B, SEQ, TOP_K, E, D, 7), "qwen3-30b-a3b": (4, 512, 8, 128, 512, 5000)}
+
+
+@pytest.mark.parametrize("shape", FOLD_SHAPES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_folded_segment_sums_error_bound(monkeypatch, dtype):
-    """`folded_segment_sums` with the rows cut into chunks of 7 (groups straddle the chunks,
-    one expert has no rows) against the segment sums of `G' = s_x (g 2**c) s_w` in float64,
-    for gradients spread over `2**-60` to `2**60` with a tiny shift `2**c` (`c = -60`).
+def test_folded_segment_sums_error_bound(monkeypatch, dtype, shape):
+    """`folded_segment_sums` with the rows cut into chunks (groups straddle the chunks, one
+    expert has no rows) against the segment sums of `G' = s_x (g 2**c) s_w` in float64,
+    for gradients spread over `2**-60` to `2**60` with a tiny shift `2**c` (`c = -60`), at
+    this file's toy shape and at Qwen3-30B-A3B's routing (16384 rows, 128 experts).
 
     The bound, with `u = 2**-24`: the scaled one-hot is cut into three bfloat16 pieces
     (their sum within `u |s_x|`); every product of bfloat16 pieces and bfloat16 `g` is exact
@@ -203,34 +222,38 @@ def test_folded_segment_sums_error_bound(monkeypatch, dtype):
     chunks' sums and the three pieces' sums within `(chunks + 2) u`, the product with
     `s_w` within `u`, each of the sum of the terms' magnitudes (`sum |G'|`, to first order
     in `u`): at most `(3k + chunks + 3) u sum |G'|`; the test allows `(3k + chunks + 4) u`
-    for the second-order terms."""
-    x, w, gs, _, _, example_id = _problem(4)
-    n = x.shape[0]
+    for the second-order terms. The bound grows with `k`: at the toy shape (`k <= 8`) it
+    fails with two pieces of the one-hot in place of three, at Qwen3-30B-A3B's (`k` near 60)
+    two pieces stay within it, and it checks the routing, the chunks and the scales."""
+    examples, seq, top_k, experts, d, chunk = FOLD_SHAPES[shape]
+    gs, example_id = _routed(4, examples, seq, top_k, experts, EMPTY)
+    n = example_id.shape[0]
     rng = np.random.default_rng(4)
-    g = (rng.standard_normal((n, D)) * 2.0 ** rng.uniform(-60, 60, (n, D))).astype(np.float32)
+    g = (rng.standard_normal((n, d)) * 2.0 ** rng.uniform(-60, 60, (n, d))).astype(np.float32)
     g = jnp.asarray(g, dtype)
     sx = jnp.asarray(2.0 ** rng.uniform(-20, 20, (n, 1)), jnp.float32)
-    sw = jnp.asarray(2.0 ** rng.uniform(-20, 20, (E, 1, D)), jnp.float32)
+    sw = jnp.asarray(2.0 ** rng.uniform(-20, 20, (experts, 1, d)), jnp.float32)
     shift = jnp.float32(2.0**-60)
-    monkeypatch.setattr(kernels_tpu, "FOLD_CHUNK", 7)
-    chunks = -(-n // 7)
-    assert n > 7 and n % 7
-    fn = lambda g: kernels_tpu.folded_segment_sums(g, shift, sx, sw, example_id, B, gs)
+    monkeypatch.setattr(kernels_tpu, "FOLD_CHUNK", chunk)
+    chunks = -(-n // chunk)
+    assert n > chunk and n % chunk
+    fn = lambda g: kernels_tpu.folded_segment_sums(g, shift, sx, sw, example_id, examples, gs)
     got = np.asarray(jax.jit(fn)(g), np.float64)
-    expert = np.repeat(np.arange(E), np.asarray(gs))
-    segment = np.asarray(example_id) * E + expert
+    expert = np.repeat(np.arange(experts), np.asarray(gs))
+    segment = np.asarray(example_id) * experts + expert
     gp = (
         np.asarray(sx, np.float64)
         * (np.asarray(g, np.float64) * 2.0**-60)
         * np.asarray(sw, np.float64)[expert, 0, :]
     )
-    want, mag = np.zeros((B * E, D)), np.zeros((B * E, D))
+    segments = examples * experts
+    want, mag = np.zeros((segments, d)), np.zeros((segments, d))
     np.add.at(want, segment, gp)
     np.add.at(mag, segment, np.abs(gp))
-    k = np.bincount(segment, minlength=B * E).max()
-    assert got.shape == (B * E, D)
+    k = np.bincount(segment, minlength=segments).max()
+    assert got.shape == (segments, d)
     assert np.all(np.abs(got - want) <= (3 * k + chunks + 4) * 2.0**-24 * mag)
-    assert not np.any(got[EMPTY::E])  # the segments of the expert with no rows
+    assert not np.any(got[EMPTY::experts])  # the segments of the expert with no rows
 
 
 @pytest.mark.parametrize("case", ["magnitudes", "zeros"])
