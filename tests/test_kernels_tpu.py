@@ -256,6 +256,20 @@ def test_folded_segment_sums_error_bound(monkeypatch, dtype, shape):
     assert not np.any(got[EMPTY::experts])  # the segments of the expert with no rows
 
 
+def test_token_dx_bitwise_at_qwen3_routing():
+    """`token_dx` (a ragged product) equals the reference's `eps * rw[expert]` bit for bit at
+    Qwen3-30B-A3B's routing (16384 rows, top-8 of 128 experts, one with no rows, h = 2048):
+    one product of one row and one expert per element."""
+    gs, _ = _routed(5, 4, 512, 8, 128, EMPTY)
+    n = int(gs.sum())
+    rng = np.random.default_rng(5)
+    eps = jnp.asarray(rng.standard_normal(n) * 2.0 ** rng.uniform(-30, 30, n), jnp.float32)
+    rw = jnp.asarray(rng.integers(-127 * 768, 127 * 768, (128, 2048)), jnp.float32)
+    got = jax.jit(kernels_tpu.token_dx)(eps, rw, gs)
+    expert = np.repeat(np.arange(128), np.asarray(gs))
+    np.testing.assert_array_equal(got, np.asarray(eps)[:, None] * np.asarray(rw)[expert])
+
+
 @pytest.mark.parametrize("case", ["magnitudes", "zeros"])
 def test_int8_digits_error_bound(case):
     """`int8_digits` at `n = 131072` (the rows per chip of the TPU benchmark): digits in
