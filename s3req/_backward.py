@@ -113,8 +113,6 @@ class AbstractLayer(eqx.Module):
     name: eqx.AbstractClassVar[str]
     segment_roles: eqx.AbstractClassVar[tuple]
     """The roles whose shards split the rows of one segment."""
-    owned_segment_roles: eqx.AbstractClassVar[tuple]
-    """The roles whose shards hold different segments (their terms are summed over them)."""
 
     @abc.abstractmethod
     def error_sums(self, errors: _T, codes: _T) -> _T:
@@ -220,7 +218,6 @@ class Dense(AbstractLayer):
     transposed: bool = eqx.field(static=True)
     name: typing.ClassVar[str] = "s3req.qdot"
     segment_roles: typing.ClassVar[tuple] = ("seq",)
-    owned_segment_roles: typing.ClassVar[tuple] = ("batch",)
 
     @property
     def _h_axis(self) -> int:  # the axis of w holding d_in; the other holds d_out
@@ -342,7 +339,6 @@ class Ragged(AbstractLayer):
     num_examples: int = eqx.field(static=True)
     name: typing.ClassVar[str] = "s3req.qragged_dot"
     segment_roles: typing.ClassVar[tuple] = ("batch", "seq")
-    owned_segment_roles: typing.ClassVar[tuple] = ()
 
     @property
     def _experts(self) -> int:
@@ -504,6 +500,10 @@ class _ErrorTerms(AbstractErrorTerms):
     roundings of the sums of `|G'|`, where the element sums are within a few of the sums of
     `|E|`.)
 
+    Under `ShardAxes` the statistics (`eps`, `a - m`) are global, added over the shards; the
+    terms are this shard's parts, as the GEMM outputs are: those of dX from its `d_out` block
+    of `Wq`, those of dW from its rows of `Xq`. `backward` adds the corrected parts.
+
     `fold_inputs` are `(g, shift, sx, sw)` with `gp = layer.fold(g * shift, sx, sw)`.
     """
 
@@ -563,10 +563,10 @@ class _ErrorTerms(AbstractErrorTerms):
 
     @ft.cached_property
     def _weight_row_sums(self):
-        return self.layer.axes.psum(self.layer.weight_row_sums(self.wq), "d_out")
+        return self.layer.weight_row_sums(self.wq)
 
     def _channel_dx(self, am):
-        return self.layer.axes.psum(self.layer.channel_dx(am, self.wq), "d_out")
+        return self.layer.channel_dx(am, self.wq)
 
     def dx_token(self):
         eps, _ = self._means("dx")
@@ -582,13 +582,12 @@ class _ErrorTerms(AbstractErrorTerms):
 
     def dw_token(self):
         eps, _ = self._means("dw")
-        return self.layer.axes.psum(self.layer.token_dw(self.xq, eps), "batch", "seq")
+        return self.layer.token_dw(self.xq, eps)
 
     def dw_channel(self):
         layer = self.layer
         _, am = self._means("dw")
-        xsum = layer.axes.psum(layer.segment_sums(self.xq), *layer.segment_roles)
-        return layer.axes.psum(layer.channel_dw(xsum, am), *layer.owned_segment_roles)
+        return layer.channel_dw(layer.segment_sums(self.xq), am)
 
 
 def _column(v: Array | int) -> Array | int:
@@ -747,11 +746,15 @@ def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g):
     )
     codes_dx, codes_dw = quantize(policy, gp, amax, key, layout=layer.layout(gp))
     # The two GEMMs: one set of codes feeds both unless the topology quantizes twice.
-    dx = codes_dx[1] * ax.psum(layer.gemm_dx(codes_dx[0], wq), "d_out")
-    dw = codes_dw[1] * ax.psum(layer.gemm_dw(xq, codes_dw[0]), "batch", "seq")
-    # S3R-EC: the correction subtracts parts of the structured error's image.
+    dx = codes_dx[1] * layer.gemm_dx(codes_dx[0], wq)
+    dw = codes_dw[1] * layer.gemm_dw(xq, codes_dw[0])
+    # S3R-EC: the correction subtracts parts of the structured error's image. The GEMM
+    # outputs and the terms are this shard's partial sums (dX over its `d_out` block, dW over
+    # its rows); the terms are linear in them, so each shard corrects its own part and one
+    # shard sum per gradient adds the corrected parts.
     terms = _ErrorTerms(layer, gp, (g, pow2(c), sx, sw), codes_dx, codes_dw, xq, wq)
     dx, dw = policy.correction.correct(terms, dx, dw)
+    dx, dw = ax.psum(dx, "d_out"), ax.psum(dw, "batch", "seq")
     return unshift(dx / sx, b + c), unshift(layer.weight_gradient(dw, sw), a + c)
 
 

@@ -71,6 +71,12 @@ class AbstractErrorTerms(abc.ABC):
     correction receives (before the final division by the scales), with the rank of that
     output and broadcastable to it. A term is computed only when a correction asks for it.
 
+    Under [`s3req.ShardAxes`][] the correction receives one shard's partial GEMM outputs (dX
+    from the shard's `d_out` block of the weight, dW from its rows) and the terms are that
+    shard's parts of the same sums; the engine adds the corrected outputs over the shards
+    afterwards (one sum per gradient), so a correction must be linear in its arguments, as
+    subtracting terms is.
+
     For a topology that quantizes twice, the dX terms come from the dX codes and the dW terms
     from the dW codes.
     """
@@ -117,9 +123,10 @@ class AbstractCorrection(eqx.Module):
         **Arguments:**
 
         - `terms`: the error terms of this backward pass.
-        - `dx`: the dX GEMM output $\\Delta\\, Q W_q^\\top$, before the division by `s_x`.
-        - `dw`: the dW GEMM output $\\Delta\\, X_q^\\top Q$ (summed over the shards), before
-          the division by `s_w`.
+        - `dx`: the dX GEMM output $\\Delta\\, Q W_q^\\top$, before the division by `s_x`
+          (under `ShardAxes`, this shard's part, see [`s3req.AbstractErrorTerms`][]).
+        - `dw`: the dW GEMM output $\\Delta\\, X_q^\\top Q$, before the division by `s_w`
+          (likewise this shard's part).
 
         **Returns:**
 

@@ -28,9 +28,9 @@ reference gathers both per row (`rw[expert]`, `v[segment]`): XLA:TPU runs a gath
 kernel and writes an `(n, h)` float32 array for each; the row sums' gather depends only on
 the weights and the routing, so XLA computes it early and keeps it until the dX correction.
 The product writes one such array, after the statistics it needs; dX-only EC's term
-`eps * (Wq_e 1_D)` is the same product of the rows `eps` alone (`token_dx`). (The engine adds
-the shard sums of the `(E, h)` row sums and of the `(segments, h)` channel terms, never of a
-per-row array.)
+`eps * (Wq_e 1_D)` is the same product of the rows `eps` alone (`token_dx`). (Under `d_out`
+sharding both take this shard's block of `Wq`, and the engine subtracts them from this
+shard's partial dX before the one sum of dX.)
 
 Measured with `benchmarks/tpu_moe_layer.py --mode shard_map_tp --packing [--kernels
 reference]` (Qwen3-30B-A3B's expert GEMMs laid out as Table IV's step: v5p 2x2x1 as

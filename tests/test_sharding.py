@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from policies import Independent, Phi2D, PhiBcast, Policy, TwoWayEC
+from policies import DxOnlyEC, Independent, Phi2D, PhiBcast, Policy, TwoWayEC
 from s3req import Block, gradient_codes, qdot, ShardAxes
 
-from .helpers import ALL_POLICIES, policy_id, ragged_vjp, STOCHASTIC_TOPOLOGIES
+from .helpers import ALL_POLICIES, iter_eqns, policy_id, ragged_vjp, STOCHASTIC_TOPOLOGIES
 
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
@@ -298,3 +298,55 @@ def test_qragged_dot_inside_shard_map(layout, policy, getkey):
         np.testing.assert_allclose(dx, np.asarray(dx_ref)[back], rtol=1e-4, atol=1e-4 * scale)
         scale = float(jnp.max(jnp.abs(dw_ref)))
         np.testing.assert_allclose(dw, dw_ref, rtol=1e-4, atol=1e-4 * scale)
+
+
+def _shard_sums(fn, in_specs, out_specs, *args):
+    """`(axes, operand shape)` of every `psum` in the program of `fn` inside `shard_map` on a
+    (4, 2) mesh."""
+    mapped = jax.shard_map(fn, mesh=_mesh((4, 2)), in_specs=in_specs, out_specs=out_specs)
+    jaxpr = jax.make_jaxpr(mapped)(*args)
+    return [
+        (tuple(e.params["axes"]), e.invars[0].aval.shape)
+        for e in iter_eqns(jaxpr.jaxpr)
+        if e.primitive.name.startswith("psum")
+    ]
+
+
+@pytest.mark.parametrize("correction", [DxOnlyEC(), TwoWayEC()], ids=lambda c: type(c).__name__)
+@pytest.mark.parametrize("kind", ["qdot", "qragged_dot"])
+def test_one_shard_sum_per_gradient(kind, correction):
+    """A column-parallel layer adds dX over `tp` and dW over `fsdp` once each, after the
+    error correction: each shard subtracts its own part of the (linear) correction terms, so
+    no term of the input width (the weight's row sums, the channel terms through `Wq^T`,
+    `Xq^T eps`, the rank-B dW term) has a shard sum of its own. Only per-row statistics are
+    added besides."""
+    policy = Policy(Phi2D(), correction)
+    h, d, E, n = 40, 32, 3, 80  # h differs from every other local extent
+    S_ = jax.ShapeDtypeStruct
+    axes = ShardAxes(batch="fsdp", d_out="tp")
+    key = jr.key(0)
+    if kind == "qdot":
+
+        def fn(x, w, g, k):
+            return _vjp(policy, x, w, g, k, axes)
+
+        args = (S_((8, 8, h), jnp.float32), S_((h, d), jnp.float32), S_((8, 8, d), jnp.float32))
+        specs = (P("fsdp"), P(None, "tp"), P("fsdp", None, "tp"))
+        dx_shape, dw_shape = (2, 8, h), (h, d // 2)
+    else:
+
+        def fn(x, w, g, gs, ids, k):
+            return ragged_vjp(policy, x, w, gs, g, k, ids, ids // 10, axes, num_examples=8)[1:]
+
+        args = (
+            S_((n, h), jnp.float32),
+            S_((E, h, d), jnp.float32),
+            S_((n, d), jnp.float32),
+            S_((4 * E,), jnp.int32),
+            S_((n,), jnp.int32),
+        )
+        specs = (P("fsdp"), P(None, None, "tp"), P("fsdp", "tp"), P("fsdp"), P("fsdp"))
+        dx_shape, dw_shape = (n // 4, h), (E, h, d // 2)
+    sums = _shard_sums(fn, (*specs, P()), specs[:2], *args, key)
+    wide = [s for s in sums if h in s[1]]
+    assert sorted(wide) == sorted([(("tp",), dx_shape), (("fsdp",), dw_shape)]), sums
