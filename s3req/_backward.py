@@ -38,7 +38,7 @@ from ._gemms import (
     ragged_token_contraction as _ragged_token_contraction,
     token_contraction as _token_contraction,
 )
-from ._interfaces import AbstractErrorTerms, AbstractPolicy
+from ._interfaces import AbstractCorrection, AbstractErrorTerms, AbstractPolicy
 from ._quantize import (
     finite_absmax,
     normalizing_shift,
@@ -202,6 +202,13 @@ class AbstractLayer(eqx.Module):
     def channel_dw(self, xsum: Array, am: Array) -> Array:
         """`sum over segments of xsum (a - m)^T` of every expert, the shape of dW."""
 
+    @abc.abstractmethod
+    def sum_first(self, token: Array | None, segments: tuple, codes: tuple) -> tuple:
+        """`(token, segments, codes)`: the factors of the dW terms (`token_dw`'s output, the
+        per-segment `(xsum, a - m)` of `channel_dw`) and the codes of the GEMMs, or, in the
+        programs of a backend whose kernel does so, the same values with the factors summed
+        over the chips before the GEMMs read the codes (see `_ErrorTerms.sum_factors_first`)."""
+
 
 @typing.final
 class Dense(AbstractLayer):
@@ -268,7 +275,10 @@ class Dense(AbstractLayer):
     def segment_sums(self, v):
         if v.ndim == 2:  # per-row values, e.g. eps
             return jnp.sum(v, axis=1)
-        return _per_backend(lambda v: _sum(v, 1), v, cpu=lambda v: _kernels_cpu.sums(v, 1))
+        tpu = _kernels_tpu.token_sums if v.dtype == jnp.int8 else None
+        return _per_backend(
+            lambda v: _sum(v, 1), v, cpu=lambda v: _kernels_cpu.sums(v, 1), tpu=tpu
+        )
 
     def segment_tokens(self, gp):
         return gp.shape[1] * self.axes.size("seq")
@@ -314,6 +324,11 @@ class Dense(AbstractLayer):
             am,
             cpu=_kernels_cpu.channel_dw,
         )
+
+    def sum_first(self, token, segments, codes):
+        if self.axes.names("batch", "seq", "d_in", "d_out"):  # `backward` adds the shard sums
+            return token, segments, codes
+        return _per_backend(lambda *v: v, token, segments, codes, tpu=_kernels_tpu.sum_first)
 
 
 @typing.final
@@ -483,6 +498,11 @@ class Ragged(AbstractLayer):
             "beh,bed->ehd", xsum.reshape(B, E, -1), am.reshape(B, E, -1), precision=_HIGHEST
         )
 
+    def sum_first(self, token, segments, codes):
+        # The expert GEMMs of `models` run inside `shard_map` (`ShardAxes`), where `backward`
+        # adds the shard sums after the correction.
+        return token, segments, codes
+
 
 # --- the error terms ------------------------------------------------------------------------
 
@@ -504,6 +524,10 @@ class _ErrorTerms(AbstractErrorTerms):
     terms are this shard's parts, as the GEMM outputs are: those of dX from its `d_out` block
     of `Wq`, those of dW from its rows of `Xq`. `backward` adds the corrected parts.
 
+    The dW terms are formed from factors: `Xq^T eps` (the token term itself, a sum over
+    rows) and the per-segment `Xq` sums and `a - m` of the channel term.
+    `sum_factors_first` may take them before the GEMMs.
+
     `fold_inputs` are `(g, shift, sx, sw)` with `gp = layer.fold(g * shift, sx, sw)`.
     """
 
@@ -511,6 +535,41 @@ class _ErrorTerms(AbstractErrorTerms):
         self.layer, self.gp, self.fold_inputs, self.xq, self.wq = layer, gp, fold_inputs, xq, wq
         self.codes = {"dx": codes_dx, "dw": codes_dw}
         self._cache = {}
+        self._factors = {}
+
+    def sum_factors_first(self, asked: frozenset[str], codes_dx, codes_dw):
+        """The codes of the two GEMMs, after the factors of the dW terms in `asked` (names
+        of `AbstractErrorTerms` methods) were computed and handed to `layer.sum_first`.
+
+        Under `jax.jit` sharding of the rows, the SPMD partitioner sums every one of these
+        factors over the chips with an all-reduce of its own, and XLA:TPU's all-reduce
+        combiner merges those of a layer with the dW all-reduces of the layers after it (at
+        the end of the backward): the factors' partial sums then stay alive across the rest
+        of the backward, and small buffers kept that long break the packing of its
+        temporaries (measured on the FFN block of `benchmarks/tpu_compile.py`: two-way EC
+        +35 to +51% over S3R at W3-W8 with them merged, +3 to +6% without). On TPU
+        `layer.sum_first` (`_kernels_tpu.sum_first`) takes the sums before the GEMMs read
+        the codes, which the later layers' backward depends on, so none can merge them."""
+        token = self._factor("dw_token") if "dw_token" in asked else None
+        segments = self._factor("dw_channel") if "dw_channel" in asked else ()
+        if token is None and not segments:
+            return codes_dx, codes_dw
+        once = codes_dx is codes_dw
+        codes = (codes_dx,) if once else (codes_dx, codes_dw)
+        token, segments, codes = self.layer.sum_first(token, segments, codes)
+        self._factors.update({"dw_token": token, "dw_channel": segments})
+        return (codes[0], codes[0]) if once else codes
+
+    def _factor(self, name: Literal["dw_token", "dw_channel"]):
+        """`Xq^T eps` (`dw_token`) or the per-segment `(Xq sums, a - m)` (`dw_channel`) of
+        the dW codes' error."""
+        if name not in self._factors:
+            eps, am = self._means("dw")
+            if name == "dw_token":
+                self._factors[name] = self.layer.token_dw(self.xq, eps)
+            else:
+                self._factors[name] = (self.layer.segment_sums(self.xq), am)
+        return self._factors[name]
 
     @ft.cached_property
     def _gp_sums(self):
@@ -581,13 +640,45 @@ class _ErrorTerms(AbstractErrorTerms):
         return self.layer.structured_dx(eps, self._weight_row_sums, self._channel_dx(am))
 
     def dw_token(self):
-        eps, _ = self._means("dw")
-        return self.layer.token_dw(self.xq, eps)
+        return self._factor("dw_token")
 
     def dw_channel(self):
-        layer = self.layer
-        _, am = self._means("dw")
-        return layer.channel_dw(layer.segment_sums(self.xq), am)
+        return self.layer.channel_dw(*self._factor("dw_channel"))
+
+
+class _Asked(AbstractErrorTerms):
+    """Records the terms a correction asks for (see `asked_terms`); every term is zero."""
+
+    def __init__(self):
+        self.names: set[str] = set()
+
+    def _ask(self, name: str) -> Array:
+        self.names.add(name)
+        return jnp.zeros((), _F32)
+
+    def dx_token(self):
+        return self._ask("dx_token")
+
+    def dx_channel(self):
+        return self._ask("dx_channel")
+
+    def dx_structured(self):
+        return self._ask("dx_structured")
+
+    def dw_token(self):
+        return self._ask("dw_token")
+
+    def dw_channel(self):
+        return self._ask("dw_channel")
+
+
+def asked_terms(correction: AbstractCorrection, dx, dw) -> frozenset[str]:
+    """The names of the `AbstractErrorTerms` methods `correction.correct` calls for GEMM
+    outputs shaped as `dx` and `dw`, from an abstract trace (`jax.eval_shape`: nothing is
+    computed), so that `backward` can compute the dW terms' factors before the GEMMs."""
+    asked = _Asked()
+    jax.eval_shape(lambda dx, dw: correction.correct(asked, dx, dw), dx, dw)
+    return frozenset(asked.names)
 
 
 def _column(v: Array | int) -> Array | int:
@@ -745,6 +836,13 @@ def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g):
         "2**150 times smaller than the largest ones. Rescale x or w.",
     )
     codes_dx, codes_dw = quantize(policy, gp, amax, key, layout=layer.layout(gp))
+    terms = _ErrorTerms(layer, gp, (g, pow2(c), sx, sw), codes_dx, codes_dw, xq, wq)
+    shapes = (
+        jax.eval_shape(layer.gemm_dx, codes_dx[0], wq),
+        jax.eval_shape(layer.gemm_dw, xq, codes_dw[0]),
+    )
+    asked = asked_terms(policy.correction, *shapes)
+    codes_dx, codes_dw = terms.sum_factors_first(asked, codes_dx, codes_dw)
     # The two GEMMs: one set of codes feeds both unless the topology quantizes twice.
     dx = codes_dx[1] * layer.gemm_dx(codes_dx[0], wq)
     dw = codes_dw[1] * layer.gemm_dw(xq, codes_dw[0])
@@ -752,7 +850,6 @@ def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g):
     # outputs and the terms are this shard's partial sums (dX over its `d_out` block, dW over
     # its rows); the terms are linear in them, so each shard corrects its own part and one
     # shard sum per gradient adds the corrected parts.
-    terms = _ErrorTerms(layer, gp, (g, pow2(c), sx, sw), codes_dx, codes_dw, xq, wq)
     dx, dw = policy.correction.correct(terms, dx, dw)
     dx, dw = ax.psum(dx, "d_out"), ax.psum(dw, "batch", "seq")
     return unshift(dx / sx, b + c), unshift(layer.weight_gradient(dw, sw), a + c)

@@ -66,7 +66,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Int8, Shaped
 
-from ._gemms import check_sum_terms, ragged, ragged_row_chunks, ragged_token_contraction
+from ._gemms import (
+    check_sum_terms,
+    HIGHEST,
+    ragged,
+    ragged_row_chunks,
+    ragged_token_contraction,
+)
 
 
 _F32 = jnp.float32
@@ -194,6 +200,38 @@ def token_dx(
     """`eps * rw[expert]` of every row, dX-only EC's term, as a float32 ragged product of the
     rows `eps` `(n, 1)` with every expert's row sums `(1, h)`."""
     return ragged(eps[:, None], rw[:, None, :], group_sizes, ((1,), (1,)), True)
+
+
+def token_sums(q: Int8[Array, "b s n"]) -> Float[Array, "b n"]:
+    """The sums of int8 codes over the tokens of every example (exact in int32), as an
+    int8 product with a ones vector: XLA:TPU computes a reduction over the middle axis of the
+    codes from a copy of them in another layout."""
+    check_sum_terms(q.shape[1])
+    ones = jnp.ones((q.shape[1],), jnp.int8)
+    dims = (((1,), (0,)), ((), ()))
+    return jax.lax.dot_general(q, ones, dims, preferred_element_type=_I32).astype(_F32)
+
+
+def _replicated(v: Float[Array, "n ..."]) -> Float[Array, "n ..."]:
+    """`v` itself, written as the product of an identity matrix with `v` (exact: float32 at
+    `HIGHEST`): where `v`'s rows are split over chips by `jax.jit` sharding, the SPMD
+    partitioner computes it as the sum over the chips of their zero-padded blocks (an
+    all-reduce of `v`'s size), so every chip holds all of `v`."""
+    eye = jnp.eye(v.shape[0], dtype=_F32)
+    return jnp.tensordot(eye, v, axes=1, precision=HIGHEST)
+
+
+def sum_first(token: Array | None, segments: tuple, codes: tuple) -> tuple:
+    """The factors of a dense layer's dW terms summed over the chips before the GEMMs: the
+    token term `Xq^T eps` as it is (the partitioner sums its partial products), the
+    per-example factors `(Xq sums, a - m)` of the channel term on every chip
+    (`_replicated`), all tied to the codes with `jax.lax.optimization_barrier`, so the GEMMs
+    (and the backward of the layers after this one) wait for these sums and XLA's all-reduce
+    combiner cannot merge them with the dW all-reduces of later layers. The channel term is
+    then the product of the whole factors on every chip, where the sum over the chips of
+    its partial products would be one more all-reduce, of the weight's size."""
+    segments = tuple(_replicated(v) for v in segments)
+    return jax.lax.optimization_barrier((token, segments, codes))
 
 
 def structured_dx(

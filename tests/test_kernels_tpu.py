@@ -1,4 +1,19 @@
-"""The XLA:TPU kernel of the expert GEMM's statistics against the reference path.
+"""The XLA:TPU kernels against the reference path: those of the dense layer (the factors
+of the dW terms summed over the chips before the GEMMs, `sum_first`; the code sums over the
+tokens as an int8 product), bit for bit, and those of the expert GEMM's statistics.
+
+The dense layer's forms take the same values as the reference (an int8 product with a ones
+vector sums the codes exactly in int32, as the reference's int32 sum does; the product of an
+identity matrix with a float32 factor at `HIGHEST` adds only zeros to it), so its gradients
+agree bit for bit, with every policy, unsharded and under `jax.jit` sharding of the batch
+over 4 devices, but for one sum: sharded, the reference sums the channel term of dW
+`sum_b xsum_b (a - m)_b^T` as one partial product per device added by the partitioner, the
+TPU form as one product over the examples on every device, another order of the same float32
+sum over the 4 examples (within `6 2**-24` of the sum of its terms' magnitudes). That term is
+an image of the error through the dW GEMM, at most half a step per element of the gradient,
+so the test asserts `2**-16` of dW's largest entry there, as for the expert GEMM below.
+
+The expert GEMM's forms:
 
 `KERNELS="tpu"` traces the TPU forms on this CPU (`s3req/_kernels_tpu.py`): segment sums as
 ragged contractions with the one-hot of the examples, `Xq_e^T eps_e` from int8 digits of
@@ -40,16 +55,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import jax.random as jr
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import s3req._kernels_tpu as kernels_tpu
-from policies import DxOnlyEC, NoEC, Phi2D, Policy, TwoWayEC
-from s3req import ShardAxes
+from policies import DwOnlyEC, DxOnlyEC, NoEC, Phi2D, Policy, TwoWayEC
+from s3req import qdot, ShardAxes
+from s3req._backward import asked_terms
 from s3req._kernels_tpu import EPS_DIGITS, int8_digits
 
-from .helpers import ALL_POLICIES, policy_id, ragged_vjp, with_kernels
+from .helpers import ALL_CORRECTIONS, ALL_POLICIES, policy_id, ragged_vjp, with_kernels
 
 
 B, SEQ, TOP_K, E, H, D = 2, 8, 2, 4, 16, 12
@@ -297,3 +314,66 @@ def test_int8_digits_error_bound(case):
         assert not digits.any()
     else:
         assert np.all(back[v == 0] == 0)
+
+
+def _dense_vjp(policy, x, w, g, key):
+    y, pull = jax.vjp(lambda x, w: qdot(x, w, policy=policy, key=key), x, w)
+    return (y, *pull(g))
+
+
+DENSE_POLICIES = ALL_POLICIES + [Policy(Phi2D(), DwOnlyEC())]
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["unsharded", "batch-sharded"])
+@pytest.mark.parametrize("shape", [(4, 16, 48, 64), (4, 512, 1024, 512)], ids=str)
+def test_dense_tpu_kernel_agrees_with_reference(getkey, shape, sharded):
+    """Every policy, the dense layer's TPU forms against the reference, bit for bit, at a
+    toy shape and at W1's widths (the batch over 4 devices under `jax.jit`: the factors of
+    the dW terms are then summed over the devices by the partitioner)."""
+    B, S, H, D = shape
+    x = jr.normal(getkey(), (B, S, H), jnp.bfloat16)
+    w = jr.normal(getkey(), (H, D))
+    g = jr.normal(getkey(), (B, S, D)) * jnp.exp(jr.normal(getkey(), (B, S, D)))
+    g = g.astype(jnp.bfloat16)
+    key = getkey()
+    if sharded:
+        auto = (jax.sharding.AxisType.Auto,)
+        mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4], axis_types=auto)
+        x, g = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, g))
+
+    def both(x, w, g, key):
+        return [
+            (
+                with_kernels("reference", _dense_vjp)(p, x, w, g, key),
+                with_kernels("tpu", _dense_vjp)(p, x, w, g, key),
+            )
+            for p in DENSE_POLICIES
+        ]
+
+    for policy, (ref, tpu) in zip(DENSE_POLICIES, jax.jit(both)(x, w, g, key)):
+        name = policy_id(policy)
+        for which, a, b in zip(("y", "dX", "dW"), ref, tpu):
+            if sharded and which == "dW" and isinstance(policy.correction, (TwoWayEC, DwOnlyEC)):
+                a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+                bound = 2.0**-16 * np.abs(a).max()
+                assert np.all(np.abs(a - b) <= bound), (name, np.abs(a - b).max() / bound)
+            else:
+                np.testing.assert_array_equal(a, b, err_msg=f"{name} {which}")
+
+
+@pytest.mark.parametrize(
+    "correction", ALL_CORRECTIONS + [DwOnlyEC()], ids=lambda c: type(c).__name__
+)
+def test_asked_terms(correction):
+    """The terms a correction asks for, read from an abstract trace of `correct`: the dW
+    terms (whose factors are summed first on TPU) exactly where the correction subtracts
+    them from dW."""
+    dx = jax.ShapeDtypeStruct((2, 8, 16), jnp.float32)
+    dw = jax.ShapeDtypeStruct((16, 12), jnp.float32)
+    expected = {
+        NoEC: set(),
+        DxOnlyEC: {"dx_token"},
+        TwoWayEC: {"dx_structured", "dw_token", "dw_channel"},
+        DwOnlyEC: {"dw_token", "dw_channel"},
+    }[type(correction)]
+    assert asked_terms(correction, dx, dw) == expected
