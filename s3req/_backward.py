@@ -218,7 +218,8 @@ class Dense(AbstractLayer):
     The products of the error means with `Wq`, `Xq` and the code sums are float32 products
     (`HIGHEST`: TPU's default precision would round the means to bf16). XLA:TPU reads the
     int8 operand of an `f32 x s8` product as it is; on XLA:CPU they run on int8 digits of
-    the means (`_kernels_cpu.digits_dot`).
+    the means (`_kernels_cpu.digits_dot`). On TPU the factors of the dW terms are summed
+    over the chips before the GEMMs (`_kernels_tpu.sum_first`).
     """
 
     axes: ShardAxes = eqx.field(static=True)

@@ -131,6 +131,11 @@ class AbstractCorrection(eqx.Module):
         **Returns:**
 
         `(dx, dw)` with the same shapes, e.g. `(dx - terms.dx_token(), dw)` for dX-only EC.
+
+        Before the GEMMs the engine also traces `correct` once abstractly (`jax.eval_shape`,
+        with every term zero) to learn which terms it asks for: on TPU the factors of the dW
+        terms are summed over the chips before the GEMMs. So which terms `correct` asks for
+        must not depend on their values.
         """
 
 

@@ -1,7 +1,31 @@
-"""The XLA:TPU kernel of the expert GEMM's error-correction statistics.
+"""The XLA:TPU kernels: the cross-chip sums of a dense layer's dW terms, and the expert
+GEMM's error-correction statistics.
 
-`_backward.py` holds the reference path, written as the maths: the sums over the rows of
-every `(example, expert)` segment are `jax.ops.segment_sum`s, and `Xq_e^T eps_e` a float32
+`_backward.py` holds the reference path, written as the maths; `_backward.Dense` and
+`_backward.Ragged` choose these forms in programs lowered for TPU.
+
+**The dense layer's dW terms** (`sum_first`). Under `jax.jit` with the batch sharded, the
+SPMD partitioner sums the dW terms' factors over the chips: `Xq^T eps` and the channel term
+`sum_b xsum_b (a - m)_b^T`, each with an all-reduce of its own. XLA:TPU's all-reduce
+combiner merges independent all-reduces, and it merged those of every layer with the dW
+all-reduces of the layers after it, which run at the end of the backward: the factors'
+partial sums then stayed alive across the rest of the backward, and such small, long-lived
+buffers kept large ones out of the ranges freed below them. On the SwiGLU FFN block of
+`benchmarks/tpu_compile.py` two-way EC needed +35 to +51% temporaries over S3R at W3-W8;
+compiled with the combiner off (`xla_jf_crs_combiner_threshold_count=1`), +0.3% (W1), +4.4%
+(W4), +6.7% (W6). `sum_first` therefore ties the factors, summed, to the codes
+(`jax.lax.optimization_barrier`): the GEMMs, and with them the backward of every later
+layer, wait for these sums, so no later all-reduce can be merged with them. The per-example
+factors of the channel term are made whole on every chip first (`_replicated`, an identity
+product the partitioner sums over the chips), so that the channel term is a product on
+every chip rather than one more all-reduce, of the weight's size. The sums over the tokens
+of the codes are an int8 product with a ones vector (`token_sums`): as a reduction over the
+middle axis XLA:TPU first copies the codes into another layout. Only programs whose rows
+are split by `jax.jit` sharding (or not at all) take these forms; inside `shard_map`
+(`ShardAxes`) the engine adds the shard sums itself, once per gradient.
+
+**The expert GEMM's statistics.** In the reference the sums over the rows of every
+`(example, expert)` segment are `jax.ops.segment_sum`s, and `Xq_e^T eps_e` a float32
 product. XLA TPU (v5p) compiles both into buffers of the activations' size:
 
 - it offloads a scatter-add to the SparseCore, which reads its updates from memory, so the
@@ -56,7 +80,7 @@ IV's Qwen3-30B-A3B step holds 262144 expert rows (its `s32[262144, 2048]` buffer
 one unchunked segment sum's mask would take 4 GiB.
 
 On XLA:CPU the ragged contractions run masked over all experts, slower than the reference
-forms, so CPU runs the reference. `_backward.Ragged` chooses per backend (`_per_backend`);
+forms, so CPU runs the reference. The layers choose per backend (`_per_backend`);
 `tests/test_kernels_tpu.py` checks that both give the same gradients.
 
 Every function takes and returns local (per-shard) values: the engine adds the shard sums.
