@@ -173,8 +173,9 @@ class AbstractLayer(eqx.Module):
         `(segments,)` (empty segments count 1); `gp` is this shard's gradient."""
 
     @abc.abstractmethod
-    def weight_row_sums(self, wq: Array) -> Array:
-        """`Wq 1_D` of every expert (float32)."""
+    def weight_row_sums(self, wq: Array, q: Array) -> Array:
+        """`Wq 1_D` of every expert (float32); `q` the codes of the upstream gradient, after
+        which a kernel may take the sums (they depend on the weights alone)."""
 
     @abc.abstractmethod
     def token_dx(self, eps: Array, rw: Array) -> Array:
@@ -219,7 +220,8 @@ class Dense(AbstractLayer):
     (`HIGHEST`: TPU's default precision would round the means to bf16). XLA:TPU reads the
     int8 operand of an `f32 x s8` product as it is; on XLA:CPU they run on int8 digits of
     the means (`_kernels_cpu.digits_dot`). On TPU the factors of the dW terms are summed
-    over the chips before the GEMMs (`_kernels_tpu.sum_first`).
+    over the chips before the GEMMs (`_kernels_tpu.sum_first`), and the row sums `Wq 1_D`
+    taken once the codes exist (`_kernels_tpu.after`).
     """
 
     axes: ShardAxes = eqx.field(static=True)
@@ -284,12 +286,14 @@ class Dense(AbstractLayer):
     def segment_tokens(self, gp):
         return gp.shape[1] * self.axes.size("seq")
 
-    def weight_row_sums(self, wq):
+    def weight_row_sums(self, wq, q):
         d_axis = 1 - self._h_axis
         return _per_backend(
-            lambda wq: _sum(wq, d_axis)[None, None, :],
+            lambda wq, q: _sum(wq, d_axis)[None, None, :],
             wq,
-            cpu=lambda wq: _kernels_cpu.weight_row_sums(wq, d_axis),
+            q,
+            cpu=lambda wq, q: _kernels_cpu.weight_row_sums(wq, d_axis),
+            tpu=lambda wq, q: _sum(_kernels_tpu.after(wq, q), d_axis)[None, None, :],
         )
 
     def token_dx(self, eps, rw):
@@ -452,7 +456,7 @@ class Ragged(AbstractLayer):
         )
         return jnp.maximum(count, 1.0)
 
-    def weight_row_sums(self, wq):
+    def weight_row_sums(self, wq, q):
         return _sum(wq, 2)
 
     def token_dx(self, eps, rw):
@@ -623,7 +627,7 @@ class _ErrorTerms(AbstractErrorTerms):
 
     @ft.cached_property
     def _weight_row_sums(self):
-        return self.layer.weight_row_sums(self.wq)
+        return self.layer.weight_row_sums(self.wq, self.codes["dx"][0])
 
     def _channel_dx(self, am):
         return self.layer.channel_dx(am, self.wq)

@@ -1,28 +1,36 @@
-"""The XLA:TPU kernels: the cross-chip sums of a dense layer's dW terms, and the expert
-GEMM's error-correction statistics.
+"""The XLA:TPU kernels: when a dense layer's error-correction terms are computed, and the
+expert GEMM's error-correction statistics.
 
 `_backward.py` holds the reference path, written as the maths; `_backward.Dense` and
-`_backward.Ragged` choose these forms in programs lowered for TPU.
+`_backward.Ragged` choose these forms in programs lowered for TPU. Memory figures are XLA's
+temporaries on the SwiGLU FFN block of `benchmarks/tpu_compile.py` (v5p, the batch split
+over 4 chips), over S3R's.
 
-**The dense layer's dW terms** (`sum_first`). Under `jax.jit` with the batch sharded, the
-SPMD partitioner sums the dW terms' factors over the chips: `Xq^T eps` and the channel term
-`sum_b xsum_b (a - m)_b^T`, each with an all-reduce of its own. XLA:TPU's all-reduce
-combiner merges independent all-reduces, and it merged those of every layer with the dW
-all-reduces of the layers after it, which run at the end of the backward: the factors'
-partial sums then stayed alive across the rest of the backward, and such small, long-lived
-buffers kept large ones out of the ranges freed below them. On the SwiGLU FFN block of
-`benchmarks/tpu_compile.py` two-way EC needed +35 to +51% temporaries over S3R at W3-W8;
-compiled with the combiner off (`xla_jf_crs_combiner_threshold_count=1`), +0.3% (W1), +4.4%
-(W4), +6.7% (W6). `sum_first` therefore ties the factors, summed, to the codes
-(`jax.lax.optimization_barrier`): the GEMMs, and with them the backward of every later
-layer, wait for these sums, so no later all-reduce can be merged with them. The per-example
-factors of the channel term are made whole on every chip first (`_replicated`, an identity
-product the partitioner sums over the chips), so that the channel term is a product on
-every chip rather than one more all-reduce, of the weight's size. The sums over the tokens
-of the codes are an int8 product with a ones vector (`token_sums`): as a reduction over the
-middle axis XLA:TPU first copies the codes into another layout. Only programs whose rows
-are split by `jax.jit` sharding (or not at all) take these forms; inside `shard_map`
-(`ShardAxes`) the engine adds the shard sums itself, once per gradient.
+**A dense layer's terms, and when they are computed.** A small buffer that lives long can
+keep a large one out of the range a dead buffer freed (the compile guide's packing section),
+so the terms are computed in the backward, when the layer needs them:
+
+- *The dW terms' sums over the chips* (`sum_first`). Under `jax.jit` with the batch
+  sharded, the SPMD partitioner sums the dW terms' factors over the chips, `Xq^T eps` and
+  the channel term `sum_b xsum_b (a - m)_b^T`, each with an all-reduce of its own.
+  XLA:TPU's all-reduce combiner merged those of every layer with the dW all-reduces of the
+  layers after it, which run at the end of the backward, keeping the factors' partial sums
+  alive across it: two-way EC needed +35 to +51% at W3-W8 (with the combiner off,
+  `xla_jf_crs_combiner_threshold_count=1`: +0.3% at W1, +4.4% at W4, +6.7% at W6).
+  `sum_first` ties the summed factors to the codes (`jax.lax.optimization_barrier`): the
+  GEMMs, and with them the backward of every later layer, wait for these sums, so no later
+  all-reduce can be merged with them. The per-example factors of the channel term are made
+  whole on every chip first (`_replicated`, an identity product the partitioner sums over
+  the chips), so that the channel term is a product on every chip rather than one more
+  all-reduce, of the weight's size. Only programs whose rows are split by `jax.jit`
+  sharding (or not at all) do this; inside `shard_map` (`ShardAxes`) the engine adds the
+  shard sums itself, once per gradient.
+- *The row sums* `Wq 1_D` of dX's token term depend on the weights alone, so XLA computed
+  them in the forward, right after `Wq`, and kept them until the dX correction: dX-only EC
+  needed +5.7% at W6 and W7, +20.6% at W9. They are taken once the codes exist (`after`).
+- *The sums of the codes over the tokens* (`Xq`'s, for the channel term) are an int8 product
+  with a ones vector (`token_sums`): as a reduction over their middle axis XLA:TPU first
+  copies the codes into another layout.
 
 **The expert GEMM's statistics.** In the reference the sums over the rows of every
 `(example, expert)` segment are `jax.ops.segment_sum`s, and `Xq_e^T eps_e` a float32
@@ -243,6 +251,14 @@ def _replicated(v: Float[Array, "n ..."]) -> Float[Array, "n ..."]:
     all-reduce of `v`'s size), so every chip holds all of `v`."""
     eye = jnp.eye(v.shape[0], dtype=_F32)
     return jnp.tensordot(eye, v, axes=1, precision=HIGHEST)
+
+
+def after(v: Array, q: Array) -> Array:
+    """`v`, to be read only once the codes `q` exist (`jax.lax.optimization_barrier`): a
+    value that depends on the weights alone, such as the row sums `Wq 1_D` of dX's token
+    term, would otherwise be computed in the forward, right after `Wq`, and kept across the
+    rest of the forward and the backward of the later layers."""
+    return jax.lax.optimization_barrier((v, q))[0]
 
 
 def sum_first(token: Array | None, segments: tuple, codes: tuple) -> tuple:
