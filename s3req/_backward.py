@@ -544,17 +544,9 @@ class _ErrorTerms(AbstractErrorTerms):
 
     def sum_factors_first(self, asked: frozenset[str], codes_dx, codes_dw):
         """The codes of the two GEMMs, after the factors of the dW terms in `asked` (names
-        of `AbstractErrorTerms` methods) were computed and handed to `layer.sum_first`.
-
-        Under `jax.jit` sharding of the rows, the SPMD partitioner sums every one of these
-        factors over the chips with an all-reduce of its own, and XLA:TPU's all-reduce
-        combiner merges those of a layer with the dW all-reduces of the layers after it (at
-        the end of the backward): the factors' partial sums then stay alive across the rest
-        of the backward, and small buffers kept that long break the packing of its
-        temporaries (measured on the FFN block of `benchmarks/tpu_compile.py`: two-way EC
-        +35 to +51% over S3R at W3-W8 with them merged, +3 to +6% without). On TPU
-        `layer.sum_first` (`_kernels_tpu.sum_first`) takes the sums before the GEMMs read
-        the codes, which the later layers' backward depends on, so none can merge them."""
+        of `AbstractErrorTerms` methods) were computed and handed to `layer.sum_first`,
+        which on TPU sums them over the chips before the GEMMs read the codes (why: the
+        docstring of `_kernels_tpu`)."""
         token = self._factor("dw_token") if "dw_token" in asked else None
         segments = self._factor("dw_channel") if "dw_channel" in asked else ()
         if token is None and not segments:

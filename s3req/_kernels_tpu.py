@@ -64,20 +64,25 @@ The product writes one such array, after the statistics it needs; dX-only EC's t
 sharding both take this shard's block of `Wq`, and the engine subtracts them from this
 shard's partial dX before the one sum of dX.)
 
-Measured with `benchmarks/tpu_moe_layer.py --mode shard_map_tp --packing [--kernels
-reference]` (Qwen3-30B-A3B's expert GEMMs laid out as Table IV's step: v5p 2x2x1 as
-`data=2 x tp=2`, 262144 rows per `data` shard, `up` column-parallel (`d_out = tp`), `down`
-row-parallel (`d_in = tp`), as the FFN), two-way EC over S3R in MiB per chip, temporaries /
-XLA's peak (S3R: up 5445 / 7682, down 4217 / 7412):
+Measured with `benchmarks/tpu_moe_layer.py --mode shard_map_tp --policies
+s3r,s3r-ec-dx,s3r-ec-2way --packing [--kernels reference]` (Qwen3-30B-A3B's expert GEMMs laid
+out as Table IV's step: v5p 2x2x1 as `data=2 x tp=2`, 262144 rows per `data` shard, `up`
+column-parallel (`d_out = tp`), `down` row-parallel (`d_in = tp`), as the FFN), EC over S3R
+in MiB per chip, temporaries / XLA's peak (S3R: up 3141 / 6338, down 4217 / 7412):
 
 | forms (`--kernels`) | up `(n, 2048) @ (128, 2048, 768)` | down `(n, 768) @ (128, 768, 2048)` |
 | --- | --- | --- |
-| reference | +5110 / +1990 | +538 / -11 |
-| these (`auto`) | +180 / +507 | +343 / +148 |
+| reference, two-way | +4371 / +3365 | +532 / -11 |
+| these (`auto`), two-way | +1930 / +1536 | +342 / +148 |
+| reference, dX-only | +2310 / +1344 | -16 / -14 |
+| these (`auto`), dX-only | +2308 / +1536 | +78 / +80 |
 
-dX-only EC over S3R takes +2 / +2 (up) and +78 / +80 (down) with these forms. One layer
-alone does not show the row sums' gather kept long: in Table IV's steps (full
-rematerialisation) it is, and there `token_dx` lowers dX-only's surplus (the page's rows).
+On the column-parallel `up` GEMM each `tp` shard subtracts its part of the dX terms, an
+`(n, h)` float32 array, from its partial dX before their one sum over `tp`: one layer alone
+keeps that array beside the partial dX (+1.5 GiB on the peak with either correction). In
+Table IV's steps (full rematerialisation) dX-only's surplus over S3R is +0.000 GB on the
+total (its page's rows), where these forms' `token_dx` also keeps the row sums' gather from
+being computed early.
 
 XLA:TPU computes a ragged contraction (contracting the rows) as a masked convolution over
 all experts, and besides the `(E, rows)` mask it uses it writes an `(E, rows, 1)` boolean
