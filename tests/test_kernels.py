@@ -102,7 +102,7 @@ def test_reference_statistic_products_are_float32(transposed):
     eqns = dot_eqns(
         lambda x, w, g, k: _grads(policy, x, w, g, k, "reference", transposed), x, w, g, key
     )
-    floats = [e for e in eqns if any(v.aval.dtype != jnp.int8 for v in e.invars)]
+    floats = [e for e in eqns if any(v.aval.dtype != jnp.int8 for v in e.invars)]  # pyright: ignore
     assert len(eqns) - len(floats) == 3 and len(floats) == 3  # channel dX, token dW, channel dW
     highest = jax.lax.Precision.HIGHEST
     for e in floats:

@@ -306,7 +306,7 @@ def _shard_sums(fn, in_specs, out_specs, *args):
     mapped = jax.shard_map(fn, mesh=_mesh((4, 2)), in_specs=in_specs, out_specs=out_specs)
     jaxpr = jax.make_jaxpr(mapped)(*args)
     return [
-        (tuple(e.params["axes"]), e.invars[0].aval.shape)
+        (tuple(e.params["axes"]), e.invars[0].aval.shape)  # pyright: ignore
         for e in iter_eqns(jaxpr.jaxpr)
         if e.primitive.name.startswith("psum")
     ]
@@ -327,7 +327,7 @@ def test_one_shard_sum_per_gradient(kind, correction):
     key = jr.key(0)
     if kind == "qdot":
 
-        def fn(x, w, g, k):
+        def fn(x, w, g, k):  # pyright: ignore[reportRedeclaration]
             return _vjp(policy, x, w, g, k, axes)
 
         args = (S_((8, 8, h), jnp.float32), S_((h, d), jnp.float32), S_((8, 8, d), jnp.float32))
