@@ -233,6 +233,10 @@ class Dense(AbstractLayer):
     def _h_axis(self) -> int:  # the axis of w holding d_in; the other holds d_out
         return 1 if self.transposed else 0
 
+    @property
+    def _sharded(self) -> bool:  # inside `shard_map` (`ShardAxes` names mesh axes)
+        return bool(self.axes.names("batch", "seq", "d_in", "d_out"))
+
     def error_sums(self, errors, codes):
         return _per_backend(lambda e, c: e, errors, codes, cpu=lambda e, c: c)
 
@@ -288,12 +292,14 @@ class Dense(AbstractLayer):
 
     def weight_row_sums(self, wq, q):
         d_axis = 1 - self._h_axis
+        tpu = lambda wq, q: _sum(_kernels_tpu.after(wq, q), d_axis)[None, None, :]
         return _per_backend(
             lambda wq, q: _sum(wq, d_axis)[None, None, :],
             wq,
             q,
             cpu=lambda wq, q: _kernels_cpu.weight_row_sums(wq, d_axis),
-            tpu=lambda wq, q: _sum(_kernels_tpu.after(wq, q), d_axis)[None, None, :],
+            # Inside `shard_map` the codes vary over more mesh axes than `wq` does.
+            tpu=None if self._sharded else tpu,
         )
 
     def token_dx(self, eps, rw):
@@ -331,7 +337,7 @@ class Dense(AbstractLayer):
         )
 
     def sum_first(self, token, segments, codes):
-        if self.axes.names("batch", "seq", "d_in", "d_out"):  # `backward` adds the shard sums
+        if self._sharded:  # `backward` adds the shard sums
             return token, segments, codes
         return _per_backend(lambda *v: v, token, segments, codes, tpu=_kernels_tpu.sum_first)
 

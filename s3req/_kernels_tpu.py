@@ -27,7 +27,8 @@ so the terms are computed in the backward, when the layer needs them:
   shard sums itself, once per gradient.
 - *The row sums* `Wq 1_D` of dX's token term depend on the weights alone, so XLA computed
   them in the forward, right after `Wq`, and kept them until the dX correction: dX-only EC
-  needed +5.7% at W6 and W7, +20.6% at W9. They are taken once the codes exist (`after`).
+  needed +5.7% at W6 and W7, +20.6% at W9. They are taken once the codes exist (`after`),
+  outside `shard_map` (inside it the codes vary over more mesh axes than the weights).
 - *The sums of the codes over the tokens* (`Xq`'s, for the channel term) are an int8 product
   with a ones vector (`token_sums`): as a reduction over their middle axis XLA:TPU first
   copies the codes into another layout.
