@@ -139,7 +139,9 @@ class AbstractLayer(eqx.Module):
         """`G' = s_x G s_w` in float32."""
 
     @abc.abstractmethod
-    def folded_segment_sums(self, gp: Array, g: Array, shift: Array, sx: Array, sw: Array):
+    def folded_segment_sums(
+        self, gp: Array, g: Array, shift: Array, sx: Array, sw: Array
+    ) -> Array:
         """`segment_sums(gp)` of `gp = fold(g * shift, sx, sw)`, which a kernel may compute
         from the fold's inputs (`shift` a power of two)."""
 

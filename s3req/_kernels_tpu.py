@@ -81,9 +81,10 @@ in MiB per chip, temporaries / XLA's peak (S3R: up 3141 / 6338, down 4217 / 7412
 On the column-parallel `up` GEMM each `tp` shard subtracts its part of the dX terms, an
 `(n, h)` float32 array, from its partial dX before their one sum over `tp`: one layer alone
 keeps that array beside the partial dX (+1.5 GiB on the peak with either correction). In
-Table IV's steps (full rematerialisation) dX-only's surplus over S3R is +0.000 GB on the
-total (its page's rows), where these forms' `token_dx` also keeps the row sums' gather from
-being computed early.
+Table IV's steps (full rematerialisation) dX-only needs what S3R needs (-0.004 / -0.002 GB
+on the total, +0.006 / +0.004 GB on the peak, Qwen3-30B-A3B / DeepSeek-V2-Lite: its page's
+rows), where these forms' `token_dx` also keeps the row sums' gather from being computed
+early.
 
 XLA:TPU computes a ragged contraction (contracting the rows) as a masked convolution over
 all experts, and besides the `(E, rows)` mask it uses it writes an `(E, rows, 1)` boolean
