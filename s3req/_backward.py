@@ -115,11 +115,12 @@ class AbstractLayer(eqx.Module):
     """The roles whose shards split the rows of one segment."""
 
     @abc.abstractmethod
-    def error_sums(self, errors: _T, codes: _T) -> _T:
+    def error_sums(self, errors: _T, codes: _T, segments: bool) -> _T:
         """The sums of `E` over the channels of every row and over the rows of every segment,
         `(rows, segments)`: `errors` (`E` formed inside the sums, the reference) or, in the
         programs of a backend whose kernel sums the codes and `G'` apart, `codes` (both are
-        traced; the program keeps one)."""
+        traced; the program keeps one). `segments` says whether the correction uses the
+        segment sums; where it does not, only the row sums reach the program."""
 
     @abc.abstractmethod
     def weight_absmax(self, w: Array) -> Array:
@@ -163,7 +164,8 @@ class AbstractLayer(eqx.Module):
 
     @abc.abstractmethod
     def row_sums(self, v: Array) -> Array:
-        """Sums over the channels of every row (float32)."""
+        """Sums over the channels of every row of the codes or of `G'` (float32). (Those of
+        `E` are reductions formed with `E`, `_ErrorTerms._error_sums`.)"""
 
     @abc.abstractmethod
     def segment_sums(self, v: Array) -> Array:
@@ -239,7 +241,7 @@ class Dense(AbstractLayer):
     def _sharded(self) -> bool:  # inside `shard_map` (`ShardAxes` names mesh axes)
         return bool(self.axes.names("batch", "seq", "d_in", "d_out"))
 
-    def error_sums(self, errors, codes):
+    def error_sums(self, errors, codes, segments):
         return _per_backend(lambda e, c: e, errors, codes, cpu=lambda e, c: c)
 
     def weight_absmax(self, w):
@@ -385,10 +387,20 @@ class Ragged(AbstractLayer):
     def _segments(self) -> int:
         return self.num_examples * self._experts
 
-    def error_sums(self, errors, codes):
+    def error_sums(self, errors, codes, segments):
         # On TPU the segment sums from the codes and `G'` apart: those of `G'` read the
         # upstream gradient (`folded_segment_sums`) where those of `E` write `E` to memory.
-        return _per_backend(lambda e, c: e, errors, codes, tpu=lambda e, c: (e[0], c[1]))
+        # On CPU the sums of `E`, formed once for both, where the segment sums are used; the
+        # row sums alone from the codes and `G'` (dots, `row_sums`): as a reduction of `E`,
+        # XLA:CPU fuses them into the dX correction, whose broadcast operands it then writes
+        # to memory at the gradient's size.
+        return _per_backend(
+            lambda e, c: e,
+            errors,
+            codes,
+            cpu=(lambda e, c: e) if segments else (lambda e, c: c),
+            tpu=lambda e, c: (e[0], c[1]),
+        )
 
     def weight_absmax(self, w):
         return finite_absmax(w, axis=1, keepdims=True)
@@ -447,7 +459,9 @@ class Ragged(AbstractLayer):
         return dw / sw
 
     def row_sums(self, v):
-        return _sum(v, 1)
+        return _per_backend(
+            lambda v: _sum(v, 1), v, cpu=lambda v: _kernels_cpu.sums(v[None], 2)[0]
+        )
 
     def segment_sums(self, v):
         segment, segments = self._segment, self._segments
@@ -520,6 +534,10 @@ class Ragged(AbstractLayer):
 # --- the error terms ------------------------------------------------------------------------
 
 
+_SEGMENT_TERMS = frozenset({"dx_channel", "dx_structured", "dw_channel"})
+"""The terms that use the segment sums of `E` (the others use only its row sums)."""
+
+
 class _ErrorTerms(AbstractErrorTerms):
     """The error terms of one backward pass, each computed when first asked for.
 
@@ -527,7 +545,8 @@ class _ErrorTerms(AbstractErrorTerms):
     and over the rows of every segment. The reference path sums `E` element by element
     (`_error_sums`); the dense layer's CPU kernel sums the codes and `G'` apart (`sum E =
     Delta sum Q - sum G'`, `_code_sums`), and so does the expert GEMM's TPU kernel for the
-    segment sums, those of `G'` read from the upstream gradient (`folded_segment_sums`).
+    segment sums, those of `G'` read from the upstream gradient (`folded_segment_sums`), and
+    its CPU kernel for the row sums of a correction that uses no segment sums.
     (`G' / Delta` is clipped to the grid before rounding; only the largest element can be
     clipped, by a float rounding, so the two agree to float precision: to within a few
     roundings of the sums of `|G'|`, where the element sums are within a few of the sums of
@@ -541,22 +560,33 @@ class _ErrorTerms(AbstractErrorTerms):
     rows) and the per-segment `Xq` sums and `a - m` of the channel term.
     `sum_factors_first` may take them before the GEMMs.
 
-    `fold_inputs` are `(g, shift, sx, sw)` with `gp = layer.fold(g * shift, sx, sw)`.
+    `fold_inputs` are `(g, shift, sx, sw)` with `gp = layer.fold(g * shift, sx, sw)`;
+    `asked` the names of the terms the correction asks for (`asked_terms`).
     """
 
-    def __init__(self, layer: AbstractLayer, gp, fold_inputs, codes_dx, codes_dw, xq, wq):
+    def __init__(
+        self,
+        layer: AbstractLayer,
+        gp,
+        fold_inputs,
+        codes_dx,
+        codes_dw,
+        xq,
+        wq,
+        asked: frozenset[str],
+    ):
         self.layer, self.gp, self.fold_inputs, self.xq, self.wq = layer, gp, fold_inputs, xq, wq
         self.codes = {"dx": codes_dx, "dw": codes_dw}
+        self.asked = asked
         self._cache = {}
         self._factors = {}
 
-    def sum_factors_first(self, asked: frozenset[str], codes_dx, codes_dw):
-        """The codes of the two GEMMs, after the factors of the dW terms in `asked` (names
-        of `AbstractErrorTerms` methods) were computed and handed to `layer.sum_first`,
-        which on TPU sums them over the chips before the GEMMs read the codes (why: the
-        docstring of `_kernels_tpu`)."""
-        token = self._factor("dw_token") if "dw_token" in asked else None
-        segments = self._factor("dw_channel") if "dw_channel" in asked else ()
+    def sum_factors_first(self, codes_dx, codes_dw):
+        """The codes of the two GEMMs, after the factors of the asked dW terms were
+        computed and handed to `layer.sum_first`, which on TPU sums them over the chips
+        before the GEMMs read the codes (why: the docstring of `_kernels_tpu`)."""
+        token = self._factor("dw_token") if "dw_token" in self.asked else None
+        segments = self._factor("dw_channel") if "dw_channel" in self.asked else ()
         if token is None and not segments:
             return codes_dx, codes_dw
         once = codes_dx is codes_dw
@@ -597,7 +627,8 @@ class _ErrorTerms(AbstractErrorTerms):
         ax, layer = self.layer.axes, self.layer
         channels = self.gp.shape[-1] * ax.size("d_out")
         tokens = layer.segment_tokens(self.gp)
-        rows, segments = layer.error_sums(self._error_sums(q, step), self._code_sums(q, step))
+        errors, codes = self._error_sums(q, step), self._code_sums(q, step)
+        rows, segments = layer.error_sums(errors, codes, bool(self.asked & _SEGMENT_TERMS))
         eps = rows / channels
         a = segments / _column(tokens)
         m = ax.psum(layer.segment_sums(eps), *layer.segment_roles) / tokens
@@ -614,7 +645,7 @@ class _ErrorTerms(AbstractErrorTerms):
         quantizer, which reads `G'` anyway."""
         ax, layer = self.layer.axes, self.layer
         e = step * q.astype(_F32) - self.gp
-        rows = ax.psum(layer.row_sums(e), "d_out")
+        rows = ax.psum(_sum(e, -1), "d_out")
         return rows, ax.psum(layer.segment_sums(e), *layer.segment_roles)
 
     def _code_sums(self, q, step):
@@ -841,13 +872,14 @@ def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g):
         "2**150 times smaller than the largest ones. Rescale x or w.",
     )
     codes_dx, codes_dw = quantize(policy, gp, amax, key, layout=layer.layout(gp))
-    terms = _ErrorTerms(layer, gp, (g, pow2(c), sx, sw), codes_dx, codes_dw, xq, wq)
     shapes = (
         jax.eval_shape(layer.gemm_dx, codes_dx[0], wq),
         jax.eval_shape(layer.gemm_dw, xq, codes_dw[0]),
     )
     asked = asked_terms(policy.correction, *shapes)
-    codes_dx, codes_dw = terms.sum_factors_first(asked, codes_dx, codes_dw)
+    fold_inputs = (g, pow2(c), sx, sw)
+    terms = _ErrorTerms(layer, gp, fold_inputs, codes_dx, codes_dw, xq, wq, asked)
+    codes_dx, codes_dw = terms.sum_factors_first(codes_dx, codes_dw)
     # The two GEMMs: one set of codes feeds both unless the topology quantizes twice.
     dx = codes_dx[1] * layer.gemm_dx(codes_dx[0], wq)
     dw = codes_dw[1] * layer.gemm_dw(xq, codes_dw[0])
