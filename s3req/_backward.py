@@ -359,7 +359,9 @@ class Ragged(AbstractLayer):
     ragged contractions (those of `E` as the sums of the codes minus those of `G'`, read from
     the upstream gradient) and both dX terms as one ragged product (`_kernels_tpu.py`). On CPU
     the three GEMMs read the codes as plain GEMM operands (`_kernels_cpu.ragged_gemm`,
-    `ragged_rows`): XLA:CPU has no grouped GEMM.
+    `ragged_rows`): XLA:CPU has no grouped GEMM; and a correction that uses no segment sum
+    (dX-only) takes the row sums of `E` from the codes and `G'` apart, as dots
+    (`_kernels_cpu.sums`; see `error_sums`).
     """
 
     group_sizes: Int[Array, " e"]
