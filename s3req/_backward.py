@@ -123,6 +123,12 @@ class AbstractLayer(eqx.Module):
         segment sums; where it does not, only the row sums reach the program."""
 
     @abc.abstractmethod
+    def code_scales(self, sx: Array, checked: Array) -> Array:
+        """The scales `forward` rounds `x` with: `sx` (`s_x 2**a`) as computed, or `checked`,
+        the same values guarded by the checks of `x` (raising at run time where `x` is not
+        finite or its row scales are out of range). `y` and the backward read `checked`."""
+
+    @abc.abstractmethod
     def weight_absmax(self, w: Array) -> Array:
         """Per-output-channel `max|w|` (keeping the contracted axis, size 1; see
         `finite_absmax`)."""
@@ -243,6 +249,13 @@ class Dense(AbstractLayer):
 
     def error_sums(self, errors, codes, segments):
         return _per_backend(lambda e, c: e, errors, codes, cpu=lambda e, c: c)
+
+    def code_scales(self, sx, checked):
+        # The codes read the guarded scales too. Projections that share an `x` (q/k/v,
+        # gate/up) then quantize it once each; rounding with the unguarded scales costs XLA:TPU
+        # more temporaries in the FFN block than those duplicate codes (`s3req.tpu`'s FFN
+        # block compile).
+        return checked
 
     def weight_absmax(self, w):
         return finite_absmax(w, axis=self._h_axis, keepdims=True)
@@ -403,6 +416,13 @@ class Ragged(AbstractLayer):
             cpu=(lambda e, c: e) if segments else (lambda e, c: c),
             tpu=lambda e, c: (e[0], c[1]),
         )
+
+    def code_scales(self, sx, checked):
+        # The codes read the unguarded scales, so they depend on `x` alone: XLA computes them
+        # once for all expert GEMMs of one `x` (an MoE's gate and up projections), where a
+        # guard per call would make every call's codes a distinct value. The checks still
+        # reach every program that reads the layer, through `y` and the backward.
+        return sx
 
     def weight_absmax(self, w):
         return finite_absmax(w, axis=1, keepdims=True)
@@ -780,15 +800,16 @@ def forward(layer: AbstractLayer, x: Array, w: Array):
     ax_w = ax.pmax(layer.weight_absmax(w), "d_in")
     a = _operand_shift(ax_x, ax, ("batch", "seq"))
     b = _operand_shift(ax_w, ax, ("d_out",))
-    sx = _checked(shifted_scale(ax_x, a), ax, rows, f"{layer.name}: x contains NaN or Inf.")
+    sx = shifted_scale(ax_x, a)
+    checked = _checked(sx, ax, rows, f"{layer.name}: x contains NaN or Inf.")
     sw = _checked(shifted_scale(ax_w, b), ax, channels, f"{layer.name}: w contains NaN or Inf.")
-    sx = _representable(sx, ax, rows, _range_message(layer.name, "x", "tokens"))
+    checked = _representable(checked, ax, rows, _range_message(layer.name, "x", "tokens"))
     sw = _representable(sw, ax, channels, _range_message(layer.name, "w", "output channels"))
-    xq = round_to_int8(x.astype(_F32) * pow2(a), sx)
+    xq = round_to_int8(x.astype(_F32) * pow2(a), layer.code_scales(sx, checked))
     wq = round_to_int8(w.astype(_F32) * pow2(b), sw)
     acc = ax.psum(layer.gemm(xq, wq), "d_in")  # exact int32 sums
-    y = unshift(acc.astype(_F32) * sx * layer.row_scales(sw), a + b)
-    return y.astype(x.dtype), (xq, wq, sx, sw, (a, b))
+    y = unshift(acc.astype(_F32) * checked * layer.row_scales(sw), a + b)
+    return y.astype(x.dtype), (xq, wq, checked, sw, (a, b))
 
 
 MIN_STEP = 2.0**-118

@@ -129,8 +129,10 @@ def qragged_dot(
     n = x.shape[0]
     ax = NO_AXES if axes is None else axes
     roles = ("batch", "seq", "d_in", "d_out")
-    x = guard(
-        x,
+    # The guard goes on `group_sizes`, not on `x`: expert GEMMs of one `x` then quantize it
+    # once (see `Ragged.code_scales`).
+    group_sizes = guard(
+        group_sizes,
         (jnp.sum(group_sizes) != n) | jnp.any(group_sizes < 0),
         ax,
         roles,

@@ -1,5 +1,6 @@
 """The quantized ragged (expert) matmul: dense equivalence, EC segments, unbiasedness, jaxpr."""
 
+import re
 from typing import Any
 
 import equinox as eqx
@@ -281,6 +282,27 @@ def test_jaxpr_int8_ragged_gemms(policy, kernels, monkeypatch):
     for e in all_eqns:
         if e.primitive.name.startswith("scatter"):
             assert len(shape(e.invars[0])) <= 1  # e.g. the row counts of jnp.repeat
+
+
+@pytest.mark.parametrize("policy", [Policy(Nearest()), Policy(Phi2D(), TwoWayEC())], ids=policy_id)
+def test_expert_gemms_of_one_x_quantize_it_once(policy, getkey):
+    """Two expert GEMMs of one `x` (an MoE's gate and up projections) share its int8 codes:
+    the compiled step writes one `s8[n, h]` array of them, where a check per call would make
+    XLA quantize `x` twice."""
+    x, w, gs, g, ids = _problem(getkey(), seq=40, H=24)
+    w2 = jr.normal(getkey(), w.shape)
+    n, h = x.shape
+
+    def loss(x, w, w2, key):
+        k1, k2 = jr.split(key)
+        y1 = qragged_dot(x, w, gs, policy=policy, key=k1, **ids)
+        y2 = qragged_dot(x, w2, gs, policy=policy, key=k2, **ids)
+        return jnp.sum(y1 * y2 * g)
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    hlo = step.lower(x, w, w2, getkey()).compile().as_text()
+    codes = [line for line in hlo.splitlines() if re.search(rf"= s8\[{n},{h}\]\S* fusion\(", line)]
+    assert len(codes) == 1, codes
 
 
 def test_dw_contraction_past_int32_range():

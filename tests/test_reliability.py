@@ -125,6 +125,37 @@ def test_qragged_dot_one_nan_anywhere_raises(policy, getkey):
             jax.block_until_ready(run(x, w, g.at[i].set(jnp.nan), key))
 
 
+@pytest.mark.parametrize("layer", ["qdot", "qragged_dot"])
+def test_bad_x_raises_when_only_the_weight_gradient_is_used(layer, getkey):
+    """A program that returns only dW (its forward output is dead code) still checks `x`: the
+    backward reads the checked scales."""
+    policy = Policy(ALL_TOPOLOGIES[3], ALL_CORRECTIONS[2])
+    key = getkey()
+    if layer == "qdot":
+        x, w, _ = _dense(getkey())
+        bad_row = (1, 2)
+        f = ft.partial(qdot, policy=policy, key=key)
+    else:
+        x, w, gs, _, row_id, example_id, n_ex = _ragged(getkey())
+        bad_row = (1,)
+        f = ft.partial(
+            qragged_dot,
+            group_sizes=gs,
+            policy=policy,
+            key=key,
+            row_id=row_id,
+            example_id=example_id,
+            num_examples=n_ex,
+        )
+    dw = eqx.filter_jit(jax.grad(lambda w, x: jnp.sum(f(x, w))))
+    assert np.all(np.isfinite(np.asarray(dw(w, x))))
+    with pytest.raises(RuntimeError, match="x contains NaN or Inf"):
+        jax.block_until_ready(dw(w, x.at[bad_row + (5,)].set(jnp.nan)))
+    tiny = x.at[0].multiply(2.0**100).at[bad_row].multiply(2.0**-60)
+    with pytest.raises(RuntimeError, match="the tokens of x span more than float32"):
+        jax.block_until_ready(dw(w, tiny))
+
+
 HIGHER_ORDER = {
     "grad_of_grad": lambda f, a: jax.grad(lambda a: jnp.sum(jax.grad(f)(a) ** 2))(a),
     "jvp_of_grad": lambda f, a: jax.jvp(jax.grad(f), (a,), (jnp.ones_like(a),)),
