@@ -123,12 +123,6 @@ class AbstractLayer(eqx.Module):
         segment sums; where it does not, only the row sums reach the program."""
 
     @abc.abstractmethod
-    def code_scales(self, sx: Array, checked: Array) -> Array:
-        """The scales `forward` rounds `x` with: `sx` (`s_x 2**a`) as computed, or `checked`,
-        the same values guarded by the checks of `x` (raising at run time where `x` is not
-        finite or its row scales are out of range). `y` and the backward read `checked`."""
-
-    @abc.abstractmethod
     def weight_absmax(self, w: Array) -> Array:
         """Per-output-channel `max|w|` (keeping the contracted axis, size 1; see
         `finite_absmax`)."""
@@ -249,13 +243,6 @@ class Dense(AbstractLayer):
 
     def error_sums(self, errors, codes, segments):
         return _per_backend(lambda e, c: e, errors, codes, cpu=lambda e, c: c)
-
-    def code_scales(self, sx, checked):
-        # The codes read the guarded scales too. Projections that share an `x` (q/k/v,
-        # gate/up) then quantize it once each; rounding with the unguarded scales costs XLA:TPU
-        # more temporaries in the FFN block than those duplicate codes (`s3req.tpu`'s FFN
-        # block compile).
-        return checked
 
     def weight_absmax(self, w):
         return finite_absmax(w, axis=self._h_axis, keepdims=True)
@@ -416,13 +403,6 @@ class Ragged(AbstractLayer):
             cpu=(lambda e, c: e) if segments else (lambda e, c: c),
             tpu=lambda e, c: (e[0], c[1]),
         )
-
-    def code_scales(self, sx, checked):
-        # The codes read the unguarded scales, so they depend on `x` alone: XLA computes them
-        # once for all expert GEMMs of one `x` (an MoE's gate and up projections), where a
-        # guard per call would make every call's codes a distinct value. The checks still
-        # reach every program that reads the layer, through `y` and the backward.
-        return sx
 
     def weight_absmax(self, w):
         return finite_absmax(w, axis=1, keepdims=True)
@@ -805,7 +785,11 @@ def forward(layer: AbstractLayer, x: Array, w: Array):
     sw = _checked(shifted_scale(ax_w, b), ax, channels, f"{layer.name}: w contains NaN or Inf.")
     checked = _representable(checked, ax, rows, _range_message(layer.name, "x", "tokens"))
     sw = _representable(sw, ax, channels, _range_message(layer.name, "w", "output channels"))
-    xq = round_to_int8(x.astype(_F32) * pow2(a), layer.code_scales(sx, checked))
+    # `x` is rounded with the unguarded scales, so its codes depend on `x` alone: XLA computes
+    # them once for every projection of one `x` (q/k/v, gate/up), where a guard per call would
+    # make every call's codes a distinct value. `y` and the backward read the guarded scales,
+    # so the checks reach every program that uses the layer.
+    xq = round_to_int8(x.astype(_F32) * pow2(a), sx)
     wq = round_to_int8(w.astype(_F32) * pow2(b), sw)
     acc = ax.psum(layer.gemm(xq, wq), "d_in")  # exact int32 sums
     y = unshift(acc.astype(_F32) * checked * layer.row_scales(sw), a + b)

@@ -130,7 +130,7 @@ def qragged_dot(
     ax = NO_AXES if axes is None else axes
     roles = ("batch", "seq", "d_in", "d_out")
     # The guard goes on `group_sizes`, not on `x`: expert GEMMs of one `x` then quantize it
-    # once (see `Ragged.code_scales`).
+    # once (see `forward`).
     group_sizes = guard(
         group_sizes,
         (jnp.sum(group_sizes) != n) | jnp.any(group_sizes < 0),

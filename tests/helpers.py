@@ -2,6 +2,8 @@
 
 import gc
 import itertools
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -142,3 +144,15 @@ def release_executables() -> None:
     (`vm.max_map_count`) and LLVM aborted ("Unable to allocate section memory")."""
     jax.clear_caches()
     gc.collect()
+
+
+def quantizations(compiled_hlo: str, size: int) -> set[str]:
+    """The distinct operand lists of the fusions of an optimized HLO module that write an int8
+    array of `size` elements: one per distinct rounding of an operand of that size (its codes
+    and a transposed copy of them read the same operands)."""
+    found = set()
+    for line in compiled_hlo.splitlines():
+        m = re.search(r"= s8\[([\d,]*)\]\S* fusion\(([^)]*)\)", line)
+        if m and math.prod(int(d) for d in m.group(1).split(",") if d) == size:
+            found.add(m.group(2))
+    return found

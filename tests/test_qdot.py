@@ -37,6 +37,7 @@ from .helpers import (
     dot_eqns,
     exact_problem,
     policy_id,
+    quantizations,
     STOCHASTIC_POLICIES,
 )
 
@@ -287,6 +288,22 @@ def test_jaxpr_int8_gemms(policy):
     g_dw = bdw.invars[1]  # Q in Xq^T @ Q
     twice = isinstance(policy.topology, Independent) and not policy.topology.shared
     assert (g_dx is g_dw) != twice
+
+
+@pytest.mark.parametrize("policy", [Policy(Nearest()), Policy(Phi2D(), TwoWayEC())], ids=policy_id)
+def test_projections_of_one_x_quantize_it_once(policy, getkey):
+    """Three projections of one `x` (an attention block's q, k and v) share its int8 codes: the
+    compiled step rounds `x` once, where a check per call would make XLA round it once per
+    projection."""
+    x = jr.normal(getkey(), (2, 48, 40))
+    ws = [jr.normal(getkey(), (40, 24)) for _ in range(3)]
+
+    def loss(x, ws, key):
+        ys = [qdot(x, w, policy=policy, key=k) for w, k in zip(ws, jr.split(key, 3))]
+        return jnp.sum(ys[0] * ys[1] * ys[2])
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    assert len(quantizations(step.lower(x, ws, getkey()).compile().as_text(), x.size)) == 1
 
 
 def test_keys(getkey):
