@@ -138,15 +138,8 @@ def test_bad_x_raises_when_only_the_weight_gradient_is_used(layer, getkey):
     else:
         x, w, gs, _, row_id, example_id, n_ex = _ragged(getkey())
         bad_row = (1,)
-        f = ft.partial(
-            qragged_dot,
-            group_sizes=gs,
-            policy=policy,
-            key=key,
-            row_id=row_id,
-            example_id=example_id,
-            num_examples=n_ex,
-        )
+        ids = dict(row_id=row_id, example_id=example_id, num_examples=n_ex)
+        f = ft.partial(qragged_dot, group_sizes=gs, policy=policy, key=key, **ids)
     dw = eqx.filter_jit(jax.grad(lambda w, x: jnp.sum(f(x, w))))
     assert np.all(np.isfinite(np.asarray(dw(w, x))))
     with pytest.raises(RuntimeError, match="x contains NaN or Inf"):
