@@ -146,12 +146,14 @@ def release_executables() -> None:
     gc.collect()
 
 
-def quantizations(compiled_hlo: str, size: int) -> set[str]:
-    """The distinct operand lists of the fusions of an optimized HLO module that write an int8
-    array of `size` elements: one per distinct rounding of an operand of that size (its codes
-    and a transposed copy of them read the same operands)."""
+def quantizations(compiled, size: int) -> set[str]:
+    """The distinct operand lists of the fusions of a compiled program's optimized HLO that
+    write an int8 array of `size` elements: one per distinct rounding of an operand of that size
+    (its codes and a transposed copy of them read the same operands)."""
+    text = compiled.as_text()
+    assert text is not None
     found = set()
-    for line in compiled_hlo.splitlines():
+    for line in text.splitlines():
         m = re.search(r"= s8\[([\d,]*)\]\S* fusion\(([^)]*)\)", line)
         if m and math.prod(int(d) for d in m.group(1).split(",") if d) == size:
             found.add(m.group(2))
