@@ -10,7 +10,8 @@ example of a dense layer, an `(example, expert)` segment of an expert GEMM). `fo
 
 This is the reference path: plain reductions, segment sums and float32 products. Backend
 kernels compute some of the same quantities in forms one compiler handles better
-(`_kernels_cpu.py` for XLA:CPU, `_kernels_tpu.py` for XLA:TPU); a layer chooses them per
+(`_kernels_cpu.py` for XLA:CPU, `_kernels_tpu.py` for XLA:TPU, `_kernels_gpu.py` for
+XLA:GPU on CUDA); a layer chooses them per
 backend when the program is lowered (`jax.lax.platform_dependent`, see `_per_backend`). The
 integer GEMMs themselves are shared (`_gemms.py`).
 """
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Int, PRNGKeyArray
 
-from . import _kernels_cpu, _kernels_tpu
+from . import _kernels_cpu, _kernels_gpu, _kernels_tpu
 from ._gemms import (
     check_sum_terms,
     dot as _dot,
@@ -57,18 +58,22 @@ _F32 = jnp.float32
 _I32 = jnp.int32
 _T = typing.TypeVar("_T")
 
-KERNELS: Literal["auto", "reference", "cpu", "tpu"] = "auto"
+KERNELS: Literal["auto", "reference", "cpu", "tpu", "cuda"] = "auto"
 """Which implementations are traced: `"auto"` chooses per backend when lowering (a backend's
 kernel where the layer has one, the reference elsewhere); the others force the reference or
 one backend's kernels on every backend (for tests that compare them)."""
 
 
 def _per_backend(
-    reference: Callable, *args, cpu: Callable | None = None, tpu: Callable | None = None
+    reference: Callable,
+    *args,
+    cpu: Callable | None = None,
+    tpu: Callable | None = None,
+    cuda: Callable | None = None,
 ) -> typing.Any:
-    """`reference(*args)`, or `cpu(*args)` / `tpu(*args)` in programs lowered for that
-    backend (see `KERNELS`); all return the same pytree of arrays."""
-    kernels = {"cpu": cpu, "tpu": tpu}
+    """`reference(*args)`, or `cpu(*args)` / `tpu(*args)` / `cuda(*args)` in programs
+    lowered for that backend (see `KERNELS`); all return the same pytree of arrays."""
+    kernels = {"cpu": cpu, "tpu": tpu, "cuda": cuda}
     if KERNELS != "auto":
         return (kernels[KERNELS] or reference)(*args) if KERNELS in kernels else reference(*args)
     branches = {name: k for name, k in kernels.items() if k is not None}
@@ -225,7 +230,8 @@ class Dense(AbstractLayer):
     int8 operand of an `f32 x s8` product as it is; on XLA:CPU they run on int8 digits of
     the means (`_kernels_cpu.digits_dot`). On TPU the factors of the dW terms are summed
     over the chips before the GEMMs (`_kernels_tpu.sum_first`), and the row sums `Wq 1_D`
-    taken once the codes exist (`_kernels_tpu.after`).
+    taken once the codes exist (`_kernels_tpu.after`). On CUDA the dX GEMM reads its codes
+    as plain operands (`_kernels_gpu.plain_operands`).
     """
 
     axes: ShardAxes = eqx.field(static=True)
@@ -271,6 +277,7 @@ class Dense(AbstractLayer):
         return self.axes.block((B, S, D))
 
     def gemm_dx(self, q, wq):
+        q, wq = _per_backend(lambda q, wq: (q, wq), q, wq, cuda=_kernels_gpu.plain_operands)
         return _dot(q, wq, ((2,), (1 - self._h_axis,))).astype(_F32)
 
     def gemm_dw(self, xq, q):

@@ -306,6 +306,14 @@ def test_table3_smoke(tmp_path):
     gpu = dict(summary, meta=dict(summary["meta"], device="NVIDIA H200"))
     text = t3.markdown(gpu)
     assert "Median times on NVIDIA H200 (ms)" in text and "this CPU" not in text
+    # the host's load and malloc say nothing about a GPU's times
+    assert "load average" not in text and "malloc" not in text
+    # --pages rewrites the page from its JSON
+    page = tmp_path / "table3_ffn_speed.md"
+    cpu_text = page.read_text()
+    page.unlink()
+    t3.main(["--smoke", "--pages", "--out", str(tmp_path)])
+    assert page.read_text() == cpu_text
 
 
 def test_table3_cpu_shapes():
@@ -468,3 +476,46 @@ def test_hlo_gemms_cpu(tmp_path):
     assert summary["meta"]["all_int8"]
     backend = summary["meta"]["backend"]
     assert (tmp_path / f"hlo_gemms_{backend}.md").read_text().startswith("# Compiled GEMMs")
+
+
+def test_gpu_gemms_runs_every_flag_set(tmp_path):
+    """Each XLA flag set in a child process of its own; the page lists every GEMM's kernel
+    and the int8/bf16 ratio (on this CPU the numbers mean nothing, the plumbing is checked)."""
+    _bench_qdot()
+    import gpu_gemms
+
+    s = gpu_gemms.main(
+        ["--shapes", "W1", "--tokens", "128", "--repeats", "1", "--calls", "1"]
+        + ["--out", str(tmp_path)]
+    )
+    assert set(s["runs"]) == set(gpu_gemms.FLAG_SETS)
+    for run in s["runs"].values():
+        assert {(r["gemm"], r["dtype"]) for r in run["rows"]} == {
+            (g, d) for g in gpu_gemms.GEMMS for d in gpu_gemms.DTYPES
+        }
+        assert all(r["median_s"] > 0 for r in run["rows"])
+    text = (tmp_path / "gpu_gemms.md").read_text()
+    assert "xla_gpu_enable_triton_gemm=false" in text
+    assert text.count("| W1 (512, 2048), 128 |") == 6
+
+
+def test_gpu_kernels_forms_compile_to_the_same_gradients():
+    """Every form of the dX GEMM the GPU benchmark compares is an identity on the gradients
+    (here on the CPU, where all forms lower to one GEMM)."""
+    _bench_qdot()
+    import gpu_kernels
+    import jax
+    import jax.numpy as jnp
+    import jax.random as jr
+    import numpy as np
+
+    ffn = gpu_kernels.models.FFN(32, 64, gpu_kernels.PRESETS["s3r"], key=jr.key(0))
+    x = jr.normal(jr.key(1), (2, 8, 32), jnp.bfloat16)
+    args = (x, x, jr.key(2))
+    outs = []
+    for form in gpu_kernels.FORMS:
+        c, a = gpu_kernels.compile_form(ffn, args, form)
+        outs.append(c(*a))
+    for out in outs[1:]:
+        for u, v in zip(jax.tree.leaves(out), jax.tree.leaves(outs[0])):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))

@@ -20,6 +20,9 @@ codes are exact in both, so every int8 policy's gradients agree bit for bit; flo
 magnitudes. For a correction that uses no segment sums (dX-only) the expert GEMM's CPU kernel
 takes the row sums of `E` from the codes and `G'` apart, as the dense one does: dX then
 agrees within the dense layer's bound.
+
+The CUDA kernel of the dense layer (`s3req/_kernels_gpu.py`) only puts the dX GEMM's operands
+behind an `optimization_barrier`: the same arithmetic, so the same gradients bit for bit.
 """
 
 import functools
@@ -37,7 +40,7 @@ from s3req import qdot
 from s3req._kernels_cpu import code_sums, ragged_gemm, ragged_rows, SUM_ALIGN
 from s3req._qdot import qdot_t
 
-from .helpers import ALL_POLICIES, dot_eqns, policy_id, ragged_vjp, with_kernels
+from .helpers import ALL_POLICIES, dot_eqns, iter_eqns, policy_id, ragged_vjp, with_kernels
 
 
 def _grads(policy, x, w, g, key, kernels, transposed=False):
@@ -88,6 +91,26 @@ def test_cpu_kernel_agrees_with_reference(policy, shape, getkey):
     auto = _grads(policy, x, w, g, key, "auto")
     for a, b in zip(auto, cpu):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["w", "w_t"])
+@pytest.mark.parametrize("policy", POLICIES, ids=policy_id)
+def test_cuda_kernel_agrees_with_reference_bit_for_bit(policy, transposed, getkey):
+    x = jr.normal(getkey(), (2, 16, 48), jnp.bfloat16)
+    w = jr.normal(getkey(), (64, 48) if transposed else (48, 64))
+    g = jr.normal(getkey(), (2, 16, 64), jnp.bfloat16)
+    key = getkey()
+    ref = _grads(policy, x, w, g, key, "reference", transposed)
+    cuda = _grads(policy, x, w, g, key, "cuda", transposed)
+    for a, b in zip(ref, cuda):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    def barriers(kernels):  # the optimization barriers of the traced program
+        f = lambda x, w, g, key: _grads(policy, x, w, g, key, kernels, transposed)
+        jaxpr = jax.make_jaxpr(f)(x, w, g, key)
+        return sum(e.primitive.name == "optimization_barrier" for e in iter_eqns(jaxpr.jaxpr))
+
+    assert barriers("cuda") == barriers("reference") + 1  # the dX GEMM's operands
 
 
 @pytest.mark.parametrize("transposed", [False, True])

@@ -36,9 +36,11 @@ from .helpers import (
     ALL_POLICIES,
     dot_eqns,
     exact_problem,
+    iter_eqns,
     policy_id,
     quantizations,
     STOCHASTIC_POLICIES,
+    with_kernels,
 )
 
 
@@ -246,13 +248,15 @@ def test_error_correction_is_the_projection(topology, correction, getkey):
     np.testing.assert_allclose(dw, dw_ref, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(dw))))
 
 
+@pytest.mark.parametrize("kernels", ["reference", "cpu", "tpu", "cuda"])
 @pytest.mark.parametrize("policy", ALL_POLICIES, ids=policy_id)
-def test_jaxpr_int8_gemms(policy):
+def test_jaxpr_int8_gemms(policy, kernels):
     """The three GEMMs take int8 operands into int32; the gradient is quantized once (both
-    backward GEMMs read the same int8 tensor) except for Independent(shared=False); the error
-    correction adds only small products (int8 digits of the ones row and the channel means
-    against Wq, of the token means against Xq; the codes against a few selector columns;
-    rank-B updates), never a third full GEMM."""
+    backward GEMMs read the same int8 tensor, seen through the `optimization_barrier`s of the
+    TPU and CUDA kernels) except for Independent(shared=False); the error correction adds only
+    small products (int8 digits of the ones row and the channel means against Wq, of the token
+    means against Xq; the codes against a few selector columns; rank-B updates), never a third
+    full GEMM. On every path."""
     B, S, H, D = 2, 64, 64, 32
     x = jax.ShapeDtypeStruct((B, S, H), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((H, D), jnp.float32)
@@ -266,7 +270,20 @@ def test_jaxpr_int8_gemms(policy):
         shape = e.invars[0].aval.shape
         return np.prod(e.outvars[0].aval.shape) * np.prod([shape[i] for i in contract])
 
-    eqns = dot_eqns(jax.grad(f, argnums=(0, 1)), x, w, key)
+    grad = with_kernels(kernels, jax.grad(f, argnums=(0, 1)))
+    eqns = dot_eqns(grad, x, w, key)
+    barriers = [
+        e
+        for e in iter_eqns(jax.make_jaxpr(grad)(x, w, key).jaxpr)
+        if e.primitive.name == "optimization_barrier"
+    ]
+    behind = {o: i for e in barriers for i, o in zip(e.invars, e.outvars)}
+
+    def source(v):  # the array a barrier's output passes through
+        while v in behind:
+            v = behind[v]
+        return v
+
     # the GEMMs (with EC, Xq carries B one-hot columns and zero padding in the dW GEMM)
     gemms = [e for e in eqns if flops(e) >= B * S * H * D]
     assert len(gemms) == 3
@@ -284,8 +301,8 @@ def test_jaxpr_int8_gemms(policy):
     if isinstance(policy.correction, NoEC):
         assert len(eqns) == 3
     fwd, bdx, bdw = gemms
-    g_dx = bdx.invars[0]  # Q in Q @ Wq^T
-    g_dw = bdw.invars[1]  # Q in Xq^T @ Q
+    g_dx = source(bdx.invars[0])  # Q in Q @ Wq^T
+    g_dw = source(bdw.invars[1])  # Q in Xq^T @ Q
     twice = isinstance(policy.topology, Independent) and not policy.topology.shared
     assert (g_dx is g_dw) != twice
 
