@@ -6,8 +6,8 @@
 #      SHAPES=all), 8192 tokens per block: absolute times and ratios from one process;
 #   3. the bare layer GEMMs, bf16 against int8, under XLA's default GEMM choice and with
 #      cuBLAS only (benchmarks/gpu_gemms.py);
-#   4. the dense layer's CUDA kernel against the reference path and other forms of its dX
-#      GEMM, on the FFN block at W9 (benchmarks/gpu_kernels.py).
+#   4. the dense layer's CUDA kernel against the reference path, other forms of its dX
+#      GEMM and the block without its run-time checks, at W2 and W9 (benchmarks/gpu_kernels.py).
 # About 7 minutes on an H200 (all shapes: more; split the call).
 # The device has jax (CUDA), equinox, optax and jaxtyping but not beartype, so the packages
 # run from the checkout (PYTHONPATH=.), with nothing installed. Results go to $OUT (the

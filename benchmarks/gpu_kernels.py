@@ -8,13 +8,16 @@ one of the paper's shapes, per policy and per form of the dX GEMM `Q Wq^T`:
   (`s3req/_kernels_gpu.py`; `KERNELS = "cuda"`, what `"auto"` lowers on CUDA);
 - `result`: a barrier on the GEMM's int32 result instead;
 - `weight codes`: a barrier on the weight codes alone;
-- `kernel and result`: both barriers.
+- `kernel and result`: both barriers;
+- `kernel, no checks`: the kernel with the run-time input checks (`eqx.error_if`) removed,
+  to measure what they cost: each is an XLA conditional, whose predicate XLA:GPU copies to
+  the host before it runs the branch.
 
 For each compiled program it counts the cuBLAS calls and the Triton GEMM fusions of its
 optimized HLO, times it (median of `--repeats` round-robin rounds, one process) and checks
 that its gradients are the reference's bit for bit (the barriers are identities).
 
-    python benchmarks/gpu_kernels.py                  # W9, 8192 tokens (a GPU)
+    python benchmarks/gpu_kernels.py                  # W2 and W9, 8192 tokens (a GPU)
     python benchmarks/gpu_kernels.py --shapes W2,W9
     python benchmarks/gpu_kernels.py --pages          # the page from gpu_kernels.json
 
@@ -62,19 +65,38 @@ def _both_barriers(self, q, wq):
     return _result_barrier(self, q, wq)
 
 
+class _NoChecks:
+    """`equinox` with `error_if` an identity (for the `no checks` form)."""
+
+    def __getattr__(self, name):
+        return getattr(eqx, name)
+
+    @staticmethod
+    def error_if(x, pred, msg):
+        return x
+
+
 FORMS = {
-    # form: (KERNELS, replacement of `Dense.gemm_dx` or None)
-    "reference": ("reference", None),
-    "kernel": ("cuda", None),
-    "result": ("reference", _result_barrier),
-    "weight codes": ("reference", _weight_barrier),
-    "kernel and result": ("reference", _both_barriers),
+    # form: (KERNELS, replacement of `Dense.gemm_dx` or None, whether the checks run)
+    "reference": ("reference", None, True),
+    "kernel": ("cuda", None, True),
+    "result": ("reference", _result_barrier, True),
+    "weight codes": ("reference", _weight_barrier, True),
+    "kernel and result": ("reference", _both_barriers, True),
+    "kernel, no checks": ("cuda", None, False),
 }
 RUNS = {
     "bf16": ("reference",),
     "sr": ("reference", "kernel"),
-    "rtne": ("reference", "kernel", "result", "weight codes", "kernel and result"),
-    "s3r": ("reference", "kernel", "result", "kernel and result"),
+    "rtne": (
+        "reference",
+        "kernel",
+        "result",
+        "weight codes",
+        "kernel and result",
+        "kernel, no checks",
+    ),
+    "s3r": ("reference", "kernel", "result", "kernel and result", "kernel, no checks"),
     "s3r-ec-dx": ("reference", "kernel"),
     "s3r-ec-2way": ("reference", "kernel"),
 }
@@ -83,17 +105,19 @@ RUNS = {
 
 def compile_form(ffn, args, form: str):
     """The FFN block's forward + backward compiled with the dX GEMM in `form`."""
-    kernels, gemm_dx = FORMS[form]
+    kernels, gemm_dx, checks = FORMS[form]
     params, static = eqx.partition(ffn, eqx.is_array)
     f = jax.jit(lambda p, *a: fwd_bwd(eqx.combine(p, static), *a))
-    old_k, old_g = backward.KERNELS, backward.Dense.gemm_dx
+    old = backward.KERNELS, backward.Dense.gemm_dx, backward.eqx
     backward.KERNELS = kernels
     if gemm_dx is not None:
         backward.Dense.gemm_dx = gemm_dx
+    if not checks:
+        backward.eqx = _NoChecks()
     try:
         return f.lower(params, *args).compile(), (params, *args)
     finally:
-        backward.KERNELS, backward.Dense.gemm_dx = old_k, old_g
+        backward.KERNELS, backward.Dense.gemm_dx, backward.eqx = old
 
 
 def measure(shape: str, tokens: int, repeats: int) -> list[dict]:
@@ -130,6 +154,7 @@ def measure(shape: str, tokens: int, repeats: int) -> list[dict]:
                     "form": form,
                     "cublas": text.count('custom_call_target="__cublas$lt$matmul"'),
                     "triton_gemm": text.count("kind=kCustom, calls=%gemm_fusion"),
+                    "conditionals": text.count(" conditional("),
                     "same_as_reference": same,
                 }
             )
@@ -147,7 +172,7 @@ def measure(shape: str, tokens: int, repeats: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--shapes", default="W9")
+    ap.add_argument("--shapes", default="W2,W9")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
@@ -187,18 +212,21 @@ def markdown(s: dict) -> str:
         "(the reference path), `kernel` (codes and weight codes behind one "
         "`optimization_barrier`, `s3req/_kernels_gpu.py`), `result` (a barrier on the int32 "
         "result), `weight codes` (a barrier on the weight codes alone), `kernel and result` "
-        "(both). cuBLAS calls and Triton GEMM fusions are counted in the optimized HLO; "
+        "(both), `kernel, no checks` (the kernel without the run-time input checks, each an "
+        "XLA conditional whose predicate a GPU copies to the host). cuBLAS calls, Triton GEMM "
+        "fusions and conditionals are counted in the optimized HLO; "
         "`bit for bit`: the gradients equal those of the reference form.",
         "",
-        "| shape, tokens | policy | form | cuBLAS calls | Triton GEMM fusions | ms "
-        "| BF16 time / time | bit for bit |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
+        "| shape, tokens | policy | form | cuBLAS calls | Triton GEMM fusions | conditionals "
+        "| ms | BF16 time / time | bit for bit |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     bf16 = {r["shape"]: r["median_s"] for r in s["rows"] if r["policy"] == "bf16"}
     for r in s["rows"]:
         lines.append(
             f"| {r['shape']} ({r['h']}, {r['d_ffn']}), {r['tokens']} | {r['policy']} | "
-            f"{r['form']} | {r['cublas']} | {r['triton_gemm']} | {1e3 * r['median_s']:.1f} | "
+            f"{r['form']} | {r['cublas']} | {r['triton_gemm']} | {r.get('conditionals', 'n/a')} | "
+            f"{1e3 * r['median_s']:.1f} | "
             f"{bf16[r['shape']] / r['median_s']:.2f} | "
             f"{_same(r['same_as_reference'])} |"
         )
