@@ -231,7 +231,7 @@ class Dense(AbstractLayer):
     the means (`_kernels_cpu.digits_dot`). On TPU the factors of the dW terms are summed
     over the chips before the GEMMs (`_kernels_tpu.sum_first`), and the row sums `Wq 1_D`
     taken once the codes exist (`_kernels_tpu.after`). On CUDA the dX GEMM reads its codes
-    as plain operands (`_kernels_gpu.plain_operands`).
+    as plain operands (`_kernels_gpu.plain_operands`), outside `shard_map`.
     """
 
     axes: ShardAxes = eqx.field(static=True)
@@ -277,7 +277,10 @@ class Dense(AbstractLayer):
         return self.axes.block((B, S, D))
 
     def gemm_dx(self, q, wq):
-        q, wq = _per_backend(lambda q, wq: (q, wq), q, wq, cuda=_kernels_gpu.plain_operands)
+        # Inside `shard_map` one barrier over both would make `wq` vary over the codes' mesh
+        # axes too (its outputs share their inputs' manual axes).
+        cuda = None if self._sharded else _kernels_gpu.plain_operands
+        q, wq = _per_backend(lambda q, wq: (q, wq), q, wq, cuda=cuda)
         return _dot(q, wq, ((2,), (1 - self._h_axis,))).astype(_F32)
 
     def gemm_dw(self, xq, q):

@@ -16,6 +16,10 @@ reads from memory as they are, and XLA then runs every layer GEMM as a cuBLAS in
 and S3R ran 1.2 times faster than BF16. A barrier on the weight codes alone, or on the GEMM's
 int32 result, left the Triton fusions in place. The barrier is an identity: the gradients are
 the reference's bit for bit (`tests/test_kernels.py`).
+
+Inside `shard_map` (`ShardAxes`) the layer keeps the reference form: one barrier's outputs
+vary over the mesh axes of all its inputs, so `Wq` would vary over the codes' batch axes.
+Programs sharded by `jax.jit` get the barrier.
 """
 
 import jax

@@ -16,7 +16,14 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from policies import DxOnlyEC, Independent, Phi2D, PhiBcast, Policy, TwoWayEC
 from s3req import Block, gradient_codes, qdot, ShardAxes
 
-from .helpers import ALL_POLICIES, iter_eqns, policy_id, ragged_vjp, STOCHASTIC_TOPOLOGIES
+from .helpers import (
+    ALL_POLICIES,
+    iter_eqns,
+    policy_id,
+    ragged_vjp,
+    STOCHASTIC_TOPOLOGIES,
+    with_kernels,
+)
 
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
@@ -146,6 +153,36 @@ def test_qdot_inside_shard_map(layout, policy, getkey):
         np.testing.assert_allclose(
             dw, dw_ref, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(dw_ref)))
         )
+
+
+@pytest.mark.parametrize(
+    "policy", [Policy(Phi2D(), TwoWayEC()), Policy(Independent())], ids=policy_id
+)
+def test_cuda_kernel_in_sharded_programs(policy, getkey):
+    """The CUDA form traces in a program sharded by `jax.jit` (with its barrier) and inside
+    `shard_map` (the reference form there): the gradients are the reference's bit for bit."""
+    x = jr.normal(getkey(), (B, S, H))
+    w = jr.normal(getkey(), (H, D))
+    g = jr.normal(getkey(), (B, S, D))
+    key = getkey()
+    mesh = _mesh((2, 4))
+    args = (_put(x, mesh, P("fsdp")), _put(w, mesh, P(None, "tp")), _put(g, mesh, P("fsdp")))
+    axes, xs, ws, ys = LAYOUTS["row"]
+    inside = jax.shard_map(
+        lambda x, w, g, k: _vjp(policy, x, w, g, k, axes),
+        mesh=mesh,
+        in_specs=(xs, ws, ys, P()),
+        out_specs=(xs, ws),
+    )
+    outside = lambda x, w, g, k: _vjp(policy, x, w, g, k)
+    for f, a in (
+        (outside, args),
+        (inside, (_put(x, mesh, xs), _put(w, mesh, ws), _put(g, mesh, ys))),
+    ):
+        ref = jax.jit(with_kernels("reference", f))(*a, key)
+        cuda = jax.jit(with_kernels("cuda", f))(*a, key)
+        for u, v in zip(ref, cuda):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
 def _u32_sizes(hlo: str) -> list[int]:
