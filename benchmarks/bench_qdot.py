@@ -472,6 +472,18 @@ def command_line(script: str, argv: list[str]) -> str:
     return " ".join(["python", str(rel), *args])
 
 
+def run_meta(script: str, argv: list[str] | None) -> dict:
+    """What a results page says of its run: device, platform, jax, the engine commit and
+    the command (`argv` as given to `main`, or the process's when `None`)."""
+    return {
+        "device": jax.devices()[0].device_kind,
+        "platform": platform.platform(),
+        "jax": jax.__version__,
+        "engine_commit": _commit(),
+        "command": command_line(script, sys.argv[1:] if argv is None else argv),
+    }
+
+
 def _table(header: list, rows: list) -> list:
     return [
         "| " + " | ".join(header) + " |",

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import subprocess
 import sys
 import time
@@ -36,6 +35,8 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench_qdot import run_meta  # noqa: E402
 
 import models  # noqa: E402
 from s3req.tpu import parse_gemms  # noqa: E402
@@ -138,15 +139,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             sys.exit(f"[gpu_gemms] {label} failed:\n{done.stderr[-4000:]}")
         runs[label] = {"xla_flags": flags, "rows": json.loads(done.stdout.splitlines()[-1])}
         print(f"[gpu_gemms] {label} done", file=sys.stderr, flush=True)
-    meta = {
-        "device": jax.devices()[0].device_kind,
-        "platform": platform.platform(),
-        "jax": jax.__version__,
-        "repeats": args.repeats,
-        "calls": args.calls,
-        "command": "python benchmarks/gpu_gemms.py"
-        + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv)),
-    }
+    meta = run_meta(__file__, argv) | {"repeats": args.repeats, "calls": args.calls}
     summary = {"meta": meta, "runs": runs}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
