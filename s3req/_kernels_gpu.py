@@ -8,13 +8,13 @@ paper's W9 shape (H 8192, D_ffn 28672, 8192 tokens) on an NVIDIA H200 with jax 0
 **The dX GEMM's operands** (`plain_operands`). Where one set of gradient codes feeds both
 backward GEMMs (a topology that quantizes once: RTNE, S3R), XLA:GPU fused the dX GEMM
 `Q Wq^T` of the gate and up projections, together with the transposes of its int8 operands
-and the float32 rescaling of its int32 result, into a Triton GEMM fusion, which ran at about a
-quarter of cuBLAS's int8 speed (12 ms per GEMM, where cuBLAS's int8 GEMM of that shape takes
-about 3 ms: `docs/results/gpu_gemms.md`). The block then took longer than in BF16. Passing the
-codes and the weight codes through `jax.lax.optimization_barrier` makes them operands the GEMM
-reads from memory as they are, and XLA then runs every layer GEMM as a cuBLAS int8 call: RTNE
-and S3R ran 1.2 times faster than BF16. A barrier on the weight codes alone, or on the GEMM's
-int32 result, left the Triton fusions in place. The barrier is an identity: the gradients are
+and the float32 rescaling of its int32 result, into a Triton GEMM fusion, far slower than
+cuBLAS's int8 GEMM of that shape (about 3 ms, `docs/results/gpu_gemms.md`): the block took
+63.0 ms against BF16's 50.9. Passing the codes and the weight codes through
+`jax.lax.optimization_barrier` makes them operands the GEMM reads from memory as they are, and
+XLA then runs every layer GEMM as a cuBLAS int8 call: RTNE took 43.0 ms, 1.18 times faster
+than BF16. A barrier on the weight codes alone, or on the GEMM's int32 result, left the Triton
+fusions in place. The barrier is an identity: the gradients are
 the reference's bit for bit (`tests/test_kernels.py`).
 
 Inside `shard_map` (`ShardAxes`) the layer keeps the reference form: one barrier's outputs
