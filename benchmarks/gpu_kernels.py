@@ -9,7 +9,7 @@ one of the paper's shapes, per policy and per form of the dX GEMM `Q Wq^T`:
 - `result`: a barrier on the GEMM's int32 result instead;
 - `weight codes`: a barrier on the weight codes alone;
 - `kernel and result`: both barriers;
-- `kernel, no checks`: the kernel with the run-time input checks (`eqx.error_if`) removed,
+- `kernel, no checks`: the kernel with the run-time checks (`eqx.branched_error_if`) removed,
   to measure what they cost: each is an XLA conditional, whose predicate XLA:GPU copies to
   the host before it runs the branch.
 
@@ -66,13 +66,13 @@ def _both_barriers(self, q, wq):
 
 
 class _NoChecks:
-    """`equinox` with `error_if` an identity (for the `no checks` form)."""
+    """`equinox` with `branched_error_if` an identity (for the `no checks` form)."""
 
     def __getattr__(self, name):
         return getattr(eqx, name)
 
     @staticmethod
-    def error_if(x, pred, msg):
+    def branched_error_if(x, pred, index, msgs):
         return x
 
 
@@ -206,8 +206,8 @@ def markdown(s: dict) -> str:
         "(the reference path), `kernel` (codes and weight codes behind one "
         "`optimization_barrier`, `s3req/_kernels_gpu.py`), `result` (a barrier on the int32 "
         "result), `weight codes` (a barrier on the weight codes alone), `kernel and result` "
-        "(both), `kernel, no checks` (the kernel without the run-time input checks, each an "
-        "XLA conditional whose predicate a GPU copies to the host). cuBLAS calls, Triton GEMM "
+        "(both), `kernel, no checks` (the kernel without the run-time checks, each an XLA "
+        "conditional whose predicate a GPU copies to the host). cuBLAS calls, Triton GEMM "
         "fusions and conditionals are counted in the optimized HLO; "
         "`bit for bit`: the gradients equal those of the reference form.",
         "",

@@ -19,7 +19,7 @@ integer GEMMs themselves are shared (`_gemms.py`).
 import abc
 import functools as ft
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import equinox as eqx
@@ -736,20 +736,40 @@ def _column(v: Array | int) -> Array | int:
 # --- forward and backward -------------------------------------------------------------------
 
 
+class Check(typing.NamedTuple):
+    """A run-time condition: `msg` is raised where `bad` is true on any shard of `roles`."""
+
+    bad: Array
+    roles: tuple
+    msg: str
+
+
+def passed(checks: Sequence[Check], axes: ShardAxes, dtype) -> Array:
+    """A scalar `1` of `dtype`, raising at run time the message of the first check in
+    `checks` that fails; multiply it into what the checks protect.
+
+    All the checks share one `eqx.error_if`: each is a conditional in the program, and a
+    GPU copies the predicate of every conditional to the host. Each flag is reduced over the
+    shards of its `roles` first: inside `shard_map`, `eqx.error_if` needs a value and a
+    predicate that vary over the same mesh axes, and the reduced flags vary over none."""
+    flags = jnp.stack([_flag(c, axes) for c in checks])
+    msgs = [c.msg for c in checks]
+    return eqx.branched_error_if(jnp.ones((), dtype), jnp.any(flags), jnp.argmax(flags), msgs)
+
+
+def _flag(check: Check, axes: ShardAxes) -> Array:
+    """`check.bad` reduced to one boolean, over the shards of its roles too."""
+    bad = jnp.any(check.bad)
+    return axes.pmax(bad.astype(_I32), *check.roles) > 0 if check.roles else bad
+
+
 def guard(v: Array, bad: Array, axes: ShardAxes, roles: tuple, msg: str) -> Array:
-    """`v`, raising `msg` at run time where the flag `bad` is true on any shard of `roles`.
-
-    The flag is reduced over those shards first and guards a scalar multiplied into `v`:
-    inside `shard_map`, `eqx.error_if` needs a value and a predicate that vary over the same
-    mesh axes."""
-    flag = axes.pmax(bad.astype(_I32), *roles)
-    one = eqx.error_if(jnp.ones((), v.dtype), flag > 0, msg)
-    return v * one
+    """`v`, raising `msg` at run time where the flag `bad` is true on any shard of `roles`."""
+    return v * passed([Check(bad, roles, msg)], axes, v.dtype)
 
 
-def _checked(v: Array, axes: ShardAxes, roles: tuple, msg: str) -> Array:
-    """`v`, raising at run time if any element (on any shard of `roles`) is not finite."""
-    return guard(v, jnp.any(~jnp.isfinite(v)), axes, roles, msg)
+def _finite(v: Array, roles: tuple, msg: str) -> Check:
+    return Check(~jnp.isfinite(v), roles, msg)
 
 
 def _operand_shift(amax: Array, axes: ShardAxes, roles: tuple) -> Array:
@@ -760,10 +780,10 @@ def _operand_shift(amax: Array, axes: ShardAxes, roles: tuple) -> Array:
     return normalizing_shift(axes.pmax(largest, *roles), SCALE_EXPONENT)
 
 
-def _representable(s: Array, axes: ShardAxes, roles: tuple, msg: str) -> Array:
-    """`s`, raising at run time if a scale (on any shard of `roles`) is below the smallest
-    normal float32: that slice is too small next to the operand's largest one."""
-    return guard(s, jnp.any(s < jnp.finfo(_F32).tiny), axes, roles, msg)
+def _representable(s: Array, roles: tuple, msg: str) -> Check:
+    """A scale (on any shard of `roles`) below the smallest normal float32: that slice is too
+    small next to the operand's largest one."""
+    return Check(s < jnp.finfo(_F32).tiny, roles, msg)
 
 
 def _range_message(name: str, operand: str, what: str) -> str:
@@ -790,16 +810,25 @@ def forward(layer: AbstractLayer, x: Array, w: Array):
     ax_w = ax.pmax(layer.weight_absmax(w), "d_in")
     a = _operand_shift(ax_x, ax, ("batch", "seq"))
     b = _operand_shift(ax_w, ax, ("d_out",))
-    sx = shifted_scale(ax_x, a)
-    checked = _checked(sx, ax, rows, f"{layer.name}: x contains NaN or Inf.")
-    sw = _checked(shifted_scale(ax_w, b), ax, channels, f"{layer.name}: w contains NaN or Inf.")
-    checked = _representable(checked, ax, rows, _range_message(layer.name, "x", "tokens"))
-    sw = _representable(sw, ax, channels, _range_message(layer.name, "w", "output channels"))
-    # `x` is rounded with the unguarded scales, so its codes depend on `x` alone: XLA computes
-    # them once for every projection of one `x` (q/k/v, gate/up), where a guard per call would
-    # make every call's codes a distinct value. `y` and the backward read the guarded scales,
-    # so the checks reach every program that uses the layer.
+    sx, sw = shifted_scale(ax_x, a), shifted_scale(ax_w, b)
+    one = passed(
+        (
+            _finite(sx, rows, f"{layer.name}: x contains NaN or Inf."),
+            _finite(sw, channels, f"{layer.name}: w contains NaN or Inf."),
+            _representable(sx, rows, _range_message(layer.name, "x", "tokens")),
+            _representable(sw, channels, _range_message(layer.name, "w", "output channels")),
+        ),
+        ax,
+        _F32,
+    )
+    # `x` is rounded with its unchecked scales, so its codes depend on `x` alone: XLA computes
+    # them once for every projection of one `x` (q/k/v, gate/up), where a checked scale per
+    # call would make every call's codes a distinct value. `y` and the backward read the
+    # checked scales, so the checks reach every program that uses the layer. `w` belongs to
+    # one layer: it is rounded with its checked scales (the order that leaves no packing
+    # holes in the TPU compile of the FFN blocks, docs/results/tpu_compile.md).
     xq = round_to_int8(x.astype(_F32) * pow2(a), sx)
+    checked, sw = sx * one, sw * one
     wq = round_to_int8(w.astype(_F32) * pow2(b), sw)
     acc = ax.psum(layer.gemm(xq, wq), "d_in")  # exact int32 sums
     y = unshift(acc.astype(_F32) * checked * layer.row_scales(sw), a + b)
@@ -812,14 +841,28 @@ below `2**-126`, less than `2**-8` of a step, which round to code 0 under round-
 and under 7-bit thresholds whether or not they are flushed."""
 
 
-def gradient_max(gp: Array, axes: ShardAxes, name: str) -> Array:
-    """`max|G'|` over the whole logical tensor; raises (at run time) on NaN or Inf."""
-    amax = axes.pmax(finite_absmax(gp), "batch", "seq", "d_out")  # a NaN counts as +inf
-    return eqx.error_if(
-        amax,
-        ~jnp.isfinite(amax),
-        f"{name}: the upstream gradient contains NaN or Inf (check the loss and the layers "
-        "above this one).",
+def gradient_max(gp: Array, axes: ShardAxes) -> Array:
+    """`max|G'|` over the whole logical tensor (`+inf` if `G'` holds a NaN or an Inf)."""
+    return axes.pmax(finite_absmax(gp), "batch", "seq", "d_out")
+
+
+def gradient_checks(amax: Array, name: str) -> tuple[Check, Check]:
+    """The checks of the upstream gradient, from `max|G'|`: not finite, or so small that its
+    step is below float32's range."""
+    return (
+        Check(
+            ~jnp.isfinite(amax),
+            (),
+            f"{name}: the upstream gradient contains NaN or Inf (check the loss and the layers "
+            "above this one).",
+        ),
+        Check(
+            (amax > 0) & (amax < QMAX * MIN_STEP),
+            (),
+            f"{name}: the gradient step max|s_x G s_w| / 127 is below float32's range: the "
+            "upstream gradient is nonzero only on tokens or channels whose scales are more "
+            "than 2**150 times smaller than the largest ones. Rescale x or w.",
+        ),
     )
 
 
@@ -871,7 +914,8 @@ _G_ROLES = ("batch", "seq", "d_out")
 
 
 def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g):
-    """dX and dW (float32) of the quantized matmul for the upstream gradient `g`."""
+    """dX and dW (float32) of the quantized matmul for the upstream gradient `g`, and the
+    checks of that gradient (`gradient_checks`), for the caller to attach to both."""
     xq, wq, sx, sw, (a, b) = residuals
     g, sx, sw = first_order_only(layer.name, (g, sx, sw))
     ax = layer.axes
@@ -880,14 +924,9 @@ def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g):
     c = normalizing_shift(ax.pmax(jnp.max(jnp.abs(g), initial=0).astype(_F32), *_G_ROLES))
     # Fold both scales into the gradient (float32 even for bf16 G), one per-tensor step.
     gp = layer.fold(g.astype(_F32) * pow2(c), sx, sw)
-    amax = gradient_max(gp, ax, layer.name)
-    amax = eqx.error_if(
-        amax,
-        (amax > 0) & (amax < QMAX * MIN_STEP),
-        f"{layer.name}: the gradient step max|s_x G s_w| / 127 is below float32's range: the "
-        "upstream gradient is nonzero only on tokens or channels whose scales are more than "
-        "2**150 times smaller than the largest ones. Rescale x or w.",
-    )
+    # The gradient's checks guard dX and dW, not the codes: the quantizer and the GEMMs do
+    # not wait for them (a NaN or a too small step only makes meaningless codes).
+    amax = gradient_max(gp, ax)
     codes_dx, codes_dw = quantize(policy, gp, amax, key, layout=layer.layout(gp))
     shapes = (
         jax.eval_shape(layer.gemm_dx, codes_dx[0], wq),
@@ -906,7 +945,8 @@ def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g):
     # shard sum per gradient adds the corrected parts.
     dx, dw = policy.correction.correct(terms, dx, dw)
     dx, dw = ax.psum(dx, "d_out"), ax.psum(dw, "batch", "seq")
-    return unshift(dx / sx, b + c), unshift(layer.weight_gradient(dw, sw), a + c)
+    dx, dw = unshift(dx / sx, b + c), unshift(layer.weight_gradient(dw, sw), a + c)
+    return dx, dw, gradient_checks(amax, layer.name)
 
 
 def _overflow(layer: AbstractLayer, which: str) -> str:
@@ -933,11 +973,18 @@ def _fwd(policy, layer, x, w, key):
 
 def _bwd(policy, saved, g):
     layer, residuals, key, x_like, w_like = saved
-    dx, dw = backward(policy, layer, residuals, key, g)
-    # A non-finite gradient raises: its inputs were checked, so it overflowed here.
+    dx, dw, checks = backward(policy, layer, residuals, key, g)
+    # Each gradient carries one check: the upstream gradient's, then its own finiteness (the
+    # inputs were checked, so a non-finite one overflowed here). A program that uses only one
+    # of them computes only its check.
     ax = layer.axes
-    dx = _checked(dx.astype(x_like.dtype), ax, ("batch", "seq", "d_in"), _overflow(layer, "dX"))
-    dw = _checked(dw.astype(w_like.dtype), ax, ("d_in", "d_out"), _overflow(layer, "dW"))
+    dx, dw = dx.astype(x_like.dtype), dw.astype(w_like.dtype)
+    dx = dx * passed(
+        (*checks, _finite(dx, ("batch", "seq", "d_in"), _overflow(layer, "dX"))), ax, dx.dtype
+    )
+    dw = dw * passed(
+        (*checks, _finite(dw, ("d_in", "d_out"), _overflow(layer, "dW"))), ax, dw.dtype
+    )
     return None, dx, dw, None
 
 

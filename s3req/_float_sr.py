@@ -300,7 +300,13 @@ def sr_float(
     format has one (NaN in `float8_e4m3fn`); `float4_e2m1fn` raises on NaN/Inf.
     """
     fmt = float_format(dtype)
-    x32 = _check_finite(_as_f32(x), fmt)
+    return unchecked_sr_float(_check_finite(_as_f32(x), fmt), fmt, t, bits)
+
+
+def unchecked_sr_float(x32: Array, fmt: FloatFormat, t: Array | None, bits: int) -> Array:
+    """[`s3req.sr_float`][] of float32 `x32` without its check of non-finite inputs (a NaN or
+    Inf gives an arbitrary value in `float4_e2m1fn`): for callers that check their inputs
+    themselves."""
     if t is None:
         # Saturate first (on the pattern), then the conversion rounds to nearest even.
         bits_x = jax.lax.bitcast_convert_type(x32, _U32)

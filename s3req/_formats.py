@@ -13,7 +13,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
-from ._float_sr import float_format, sr_float
+from ._float_sr import float_format, unchecked_sr_float
 from ._quantize import ceil_pow2, gradient_step, sr_codes
 from ._thresholds import Thresholds
 
@@ -144,9 +144,11 @@ class BlockFloatGrad(AbstractGradFormat):
 
     def round(self, y, thresholds):
         """`y` (already divided by its scale) on the float grid, see [`s3req.sr_float`][];
-        float32 result."""
+        float32 result. A non-finite `y` is not checked here: the backward checks the
+        upstream gradient itself, on `dX` and `dW`, so the rounding does not wait for it."""
         t, bits = (None, 0) if thresholds is None else thresholds
-        return sr_float(y, jnp.dtype(self.dtype), t, bits=bits).astype(jnp.float32)
+        fmt = float_format(self.dtype)
+        return unchecked_sr_float(y.astype(jnp.float32), fmt, t, bits).astype(jnp.float32)
 
     def quantize(self, gp, amax, thresholds):
         """Grid values of `G' / s` times the block scales `s` (float32). A per-tensor scale
@@ -161,9 +163,7 @@ class BlockFloatGrad(AbstractGradFormat):
                 f"({D} per shard) to be a multiple of the block size {self.block}."
             )
         g4 = gp.reshape(*lead, D // self.block, self.block)
-        # A block's max never exceeds the global one: the minimum keeps the block maxima and
-        # makes them depend on the checked `amax` (an unused `error_if` result is dropped).
-        s = self.scales(jnp.minimum(jnp.max(jnp.abs(g4), axis=-1, keepdims=True), amax))
+        s = self.scales(jnp.max(jnp.abs(g4), axis=-1, keepdims=True))
         q = self.round((g4 / s).reshape(gp.shape), thresholds)
         return (q.reshape(g4.shape) * s).reshape(gp.shape), jnp.ones((), jnp.float32)
 

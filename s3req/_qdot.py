@@ -5,7 +5,15 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int8, PRNGKeyArray, Shaped
 
-from ._backward import Dense, gradient_max, MAX_TERMS, quantize, quantized_matmul
+from ._backward import (
+    Dense,
+    gradient_checks,
+    gradient_max,
+    MAX_TERMS,
+    passed,
+    quantize,
+    quantized_matmul,
+)
 from ._formats import IntGrad
 from ._interfaces import AbstractPolicy
 from ._quantize import gradient_step
@@ -68,7 +76,8 @@ def gradient_codes(
     fmt = policy.fmt
     if not isinstance(fmt, IntGrad):
         raise TypeError(f"gradient_codes: integer gradient formats only, got {fmt}.")
-    amax = gradient_max(gp, ax, "s3req.gradient_codes")
+    amax = gradient_max(gp, ax)
+    amax = amax * passed(gradient_checks(amax, "s3req.gradient_codes"), ax, amax.dtype)
     (q_dx, delta), (q_dw, _) = quantize(policy, gp, amax, key, ax.block(gp.shape))  # pyright: ignore
     _, inv = gradient_step(amax, fmt.qmax)
     return delta, inv, q_dx, q_dw
