@@ -70,7 +70,9 @@ def gradient_codes(
 
     **Returns:**
 
-    `(delta, inv, q_dx, q_dw)`; `q_dx is q_dw` for policies that quantize once.
+    `(delta, inv, q_dx, q_dw)`; `q_dx is q_dw` for policies that quantize once. `delta`
+    raises at run time where `G'` holds a NaN or an Inf, or is so small that `delta` is below
+    float32's range (the checks of `qdot`'s backward).
     """
     ax = NO_AXES if axes is None else axes
     fmt = policy.fmt

@@ -1,5 +1,6 @@
 """Gradient formats as a policy axis: int4, fp8-e5m2, MXFP4- and NVFP4-style block floats."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -226,6 +227,19 @@ def test_int4_codes(getkey):
     delta, _, q, _ = gradient_codes(Policy(Phi2D(), fmt=INT4), _gp(x, w, g), getkey())
     assert int(jnp.max(jnp.abs(q))) <= 7 and q.dtype == jnp.int8
     np.testing.assert_allclose(delta, jnp.max(jnp.abs(_gp(x, w, g))) / 7, rtol=1e-6)
+
+
+def test_gradient_codes_checks_the_gradient(getkey):
+    """`gradient_codes` raises where `qdot`'s backward would: a NaN, or a step below float32's
+    range."""
+    x, w, g = _problem(getkey())
+    gp, key = _gp(x, w, g), getkey()
+    run = eqx.filter_jit(lambda gp: gradient_codes(Policy(Phi2D()), gp, key)[0])
+    assert np.isfinite(float(run(gp)))
+    with pytest.raises(RuntimeError, match="upstream gradient contains NaN or Inf"):
+        jax.block_until_ready(run(gp.at[1, 2, 3].set(jnp.nan)))
+    with pytest.raises(RuntimeError, match="below float32's range"):
+        jax.block_until_ready(run(gp / jnp.max(jnp.abs(gp)) * 2.0**-120))
 
 
 def test_formats_errors(getkey):
