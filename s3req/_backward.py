@@ -748,8 +748,8 @@ def passed(checks: Sequence[Check], axes: ShardAxes, dtype) -> Array:
     """A scalar `1` of `dtype`, raising at run time the message of the first check in
     `checks` that fails; multiply it into what the checks protect.
 
-    All the checks share one `eqx.error_if`: each is a conditional in the program, and a
-    GPU copies the predicate of every conditional to the host. Each flag is reduced over the
+    All the checks share one `eqx.branched_error_if`: each is a conditional in the program,
+    and a GPU copies the predicate of every conditional to the host. Each flag is reduced over the
     shards of its `roles` first: inside `shard_map`, `eqx.error_if` needs a value and a
     predicate that vary over the same mesh axes, and the reduced flags vary over none."""
     flags = jnp.stack([_flag(c, axes) for c in checks])
@@ -825,8 +825,8 @@ def forward(layer: AbstractLayer, x: Array, w: Array):
     # them once for every projection of one `x` (q/k/v, gate/up), where a checked scale per
     # call would make every call's codes a distinct value. `y` and the backward read the
     # checked scales, so the checks reach every program that uses the layer. `w` belongs to
-    # one layer: it is rounded with its checked scales (the order that leaves no packing
-    # holes in the TPU compile of the FFN blocks, docs/results/tpu_compile.md).
+    # one layer: it is rounded with its checked scales (rounded with the unchecked ones, the
+    # TPU compile of the FFN blocks packed its temporaries with larger holes).
     xq = round_to_int8(x.astype(_F32) * pow2(a), sx)
     checked, sw = sx * one, sw * one
     wq = round_to_int8(w.astype(_F32) * pow2(b), sw)
