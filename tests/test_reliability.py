@@ -163,11 +163,8 @@ def test_checks_are_one_conditional_per_output(name, getkey):
         return (y, *pull(g))
 
     programs = {"y, dX, dW": everything, "dW": lambda x, w, g: everything(x, w, g)[2]}
-    count = {
-        k: jax.jit(f).lower(x, w, g).compile().as_text().count(" conditional(")
-        for k, f in programs.items()
-    }
-    assert count == {"y, dX, dW": 3, "dW": 2}
+    hlo = {k: jax.jit(f).lower(x, w, g).compile().as_text() or "" for k, f in programs.items()}
+    assert {k: t.count(" conditional(") for k, t in hlo.items()} == {"y, dX, dW": 3, "dW": 2}
     with pytest.raises(RuntimeError, match="upstream gradient contains NaN or Inf"):
         jax.block_until_ready(eqx.filter_jit(programs["dW"])(x, w, g.at[0, 3, 5].set(jnp.nan)))
 
