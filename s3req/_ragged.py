@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._backward import guard, MAX_TERMS, quantized_matmul, Ragged
+from ._backward import Check, MAX_TERMS, passed, quantized_matmul, Ragged
 from ._interfaces import AbstractPolicy
 from ._qdot import check_key
 from ._sharding import NO_AXES, ShardAxes
@@ -129,18 +129,18 @@ def qragged_dot(
     n = x.shape[0]
     ax = NO_AXES if axes is None else axes
     roles = ("batch", "seq", "d_in", "d_out")
-    # The guard goes on `group_sizes`, not on `x`: expert GEMMs of one `x` then quantize it
-    # once (see `forward`).
-    group_sizes = guard(
-        group_sizes,
-        (jnp.sum(group_sizes) != n) | jnp.any(group_sizes < 0),
-        ax,
-        roles,
-        f"s3req.qragged_dot: group_sizes must be non-negative and sum to the {n} rows of x.",
-    )
+    # The checks go on `group_sizes` and `example_id`, not on `x`: expert GEMMs of one `x`
+    # then quantize it once (see `forward`).
     group_sizes = group_sizes.astype(_I32)
+    checks = [
+        Check(
+            (jnp.sum(group_sizes) != n) | jnp.any(group_sizes < 0),
+            roles,
+            f"s3req.qragged_dot: group_sizes must be non-negative and sum to the {n} rows of x.",
+        )
+    ]
     if policy is None:
-        y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes)
+        y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes * passed(checks, ax, _I32))
         return ax.psum(y, "d_in")
     if max(w.shape[1] * ax.size("d_in"), w.shape[2] * ax.size("d_out")) > MAX_TERMS:
         raise ValueError(
@@ -151,13 +151,16 @@ def qragged_dot(
     rows = zeros if row_id is None else row_id.astype(_I32)
     examples = zeros if example_id is None else example_id.astype(_I32)
     if num_examples is not None:
-        examples = guard(
-            examples,
-            jnp.any((examples < 0) | (examples >= num_examples)),
-            ax,
-            roles,
-            f"s3req.qragged_dot: example_id must lie in [0, num_examples={num_examples}).",
+        checks.append(
+            Check(
+                jnp.any((examples < 0) | (examples >= num_examples)),
+                roles,
+                f"s3req.qragged_dot: example_id must lie in [0, num_examples={num_examples}).",
+            )
         )
+    # One conditional for both: each is a host round trip on a GPU.
+    one = passed(checks, ax, _I32)
+    group_sizes, examples = group_sizes * one, examples * one
     layer = Ragged(
         group_sizes=group_sizes,
         row_id=rows,

@@ -149,24 +149,41 @@ def test_bad_x_raises_when_only_the_weight_gradient_is_used(layer, getkey):
         jax.block_until_ready(dw(w, tiny))
 
 
+@pytest.mark.parametrize("layer", ["qdot", "qragged_dot"])
 @pytest.mark.parametrize("name", ["rtne", "s3r", "s3r-ec-2way"])
-def test_checks_are_one_conditional_per_output(name, getkey):
+def test_checks_are_one_conditional_per_output(name, layer, getkey):
     """A quantized matmul's run-time checks are one conditional in the forward and one per
     gradient (a GPU copies each conditional's predicate to the host), and a program that uses
-    only dW has no dX check; a NaN gradient still raises its own message there."""
+    only dW has no dX check; `qragged_dot` adds one for its `group_sizes` and `example_id`. A
+    NaN gradient still raises its own message there."""
     policy = PRESETS[name]
-    x, w, g = _dense(getkey())
     key = getkey()
+    if layer == "qdot":
+        x, w, g = _dense(getkey())
+        ids = {}
+        f = ft.partial(qdot, policy=policy, key=key)
+    else:
+        # The routing is an argument, not a constant the compiler could check ahead of time.
+        x, w, gs, g, row_id, example_id, n_ex = _ragged(getkey())
+        ids = dict(group_sizes=gs, row_id=row_id, example_id=example_id)
+        f = ft.partial(qragged_dot, policy=policy, key=key, num_examples=n_ex)
 
-    def everything(x, w, g):
-        y, pull = jax.vjp(lambda x, w: qdot(x, w, policy=policy, key=key), x, w)
+    def everything(x, w, g, ids):
+        y, pull = jax.vjp(lambda x, w: f(x, w, **ids), x, w)
         return (y, *pull(g))
 
-    programs = {"y, dX, dW": everything, "dW": lambda x, w, g: everything(x, w, g)[2]}
-    hlo = {k: jax.jit(f).lower(x, w, g).compile().as_text() or "" for k, f in programs.items()}
-    assert {k: t.count(" conditional(") for k, t in hlo.items()} == {"y, dX, dW": 3, "dW": 2}
+    programs = {"y, dX, dW": everything, "dW": lambda *a: everything(*a)[2]}
+    hlo = {
+        k: jax.jit(p).lower(x, w, g, ids).compile().as_text() or "" for k, p in programs.items()
+    }
+    own = {"qdot": 0, "qragged_dot": 1}[layer]
+    assert {k: t.count(" conditional(") for k, t in hlo.items()} == {
+        "y, dX, dW": 3 + own,
+        "dW": 2 + own,
+    }
+    nan = g.at[0, 5].set(jnp.nan)
     with pytest.raises(RuntimeError, match="upstream gradient contains NaN or Inf"):
-        jax.block_until_ready(eqx.filter_jit(programs["dW"])(x, w, g.at[0, 3, 5].set(jnp.nan)))
+        jax.block_until_ready(eqx.filter_jit(programs["dW"])(x, w, nan, ids))
 
 
 HIGHER_ORDER = {
