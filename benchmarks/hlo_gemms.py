@@ -56,7 +56,7 @@ def layer_gemms(gemms: list[Gemm], B: int, S: int, H: int, D: int) -> list[Gemm]
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--shapes", default="4x256x1024x4096,4x256x512x2048,8x512x1024x1024")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
     args = ap.parse_args(argv)
