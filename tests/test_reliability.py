@@ -186,6 +186,32 @@ def test_checks_are_one_conditional_per_output(name, layer, getkey):
         jax.block_until_ready(eqx.filter_jit(programs["dW"])(x, w, nan, ids))
 
 
+@pytest.mark.parametrize("name", ["rtne", "s3r", "s3r-ec-2way"])
+def test_qragged_dot_bad_routing_raises(name, getkey):
+    """`group_sizes` (non-negative, summing to the rows) and `example_id` (in `[0,
+    num_examples)`) are checked at run time for every policy, also where the backward never
+    reads the example ids (RTNE, S3R); with both wrong the `group_sizes` message wins."""
+    x, w, gs, g, row_id, example_id, n_ex = _ragged(getkey())
+    run = eqx.filter_jit(ft.partial(ragged_vjp, PRESETS[name], num_examples=n_ex))
+    key = getkey()
+    jax.block_until_ready(run(x, w, gs, g, key, row_id, example_id))
+    bad_groups = {
+        "short": gs.at[0].add(-1),
+        "negative": gs.at[0].set(-1).at[1].add(gs[0] + 1),  # the sum is still right
+    }
+    bad_examples = {"too large": example_id.at[-1].set(n_ex), "negative": example_id.at[3].set(-1)}
+    for groups in bad_groups.values():
+        with pytest.raises(RuntimeError, match="group_sizes must be non-negative and sum"):
+            jax.block_until_ready(run(x, w, groups, g, key, row_id, example_id))
+    for examples in bad_examples.values():
+        with pytest.raises(RuntimeError, match=r"example_id must lie in \[0, num_examples=2\)"):
+            jax.block_until_ready(run(x, w, gs, g, key, row_id, examples))
+    with pytest.raises(RuntimeError, match="group_sizes must be"):
+        jax.block_until_ready(
+            run(x, w, bad_groups["short"], g, key, row_id, bad_examples["negative"])
+        )
+
+
 HIGHER_ORDER = {
     "grad_of_grad": lambda f, a: jax.grad(lambda a: jnp.sum(jax.grad(f)(a) ** 2))(a),
     "jvp_of_grad": lambda f, a: jax.jvp(jax.grad(f), (a,), (jnp.ones_like(a),)),

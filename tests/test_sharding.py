@@ -337,6 +337,29 @@ def test_qragged_dot_inside_shard_map(layout, policy, getkey):
         np.testing.assert_allclose(dw, dw_ref, rtol=1e-4, atol=1e-4 * scale)
 
 
+def test_qragged_dot_bad_example_id_on_one_shard_raises(getkey):
+    """Inside `shard_map` the routing check of `qragged_dot` sees every shard: example ids
+    out of range on the last `fsdp` shard alone raise on all of them."""
+    B = 8
+    axes, xs, ws, ys = RAGGED_LAYOUTS["column"]
+    policy = Policy(Phi2D(), TwoWayEC())
+    xp, gp, w, _, (sorder, sgs), rows_per_example = _ragged_problem(getkey(), 4)
+    mesh = _mesh((4, 2))
+    ids = P("fsdp")
+
+    def run(x, w, g, gs, order, k_):
+        # num_examples one short: the rows of the last example are out of range
+        example_id = order // rows_per_example
+        return ragged_vjp(policy, x, w, gs, g, k_, order, example_id, axes, num_examples=B - 1)
+
+    f = jax.jit(
+        jax.shard_map(run, mesh=mesh, in_specs=(xs, ws, ys, ids, ids, P()), out_specs=(ys, xs, ws))
+    )
+    args = [_put(v, mesh, s) for v, s in ((xp[sorder], xs), (w, ws), (gp[sorder], ys))]
+    with pytest.raises(RuntimeError, match=r"example_id must lie in \[0, num_examples=7\)"):
+        jax.block_until_ready(f(*args, _put(sgs, mesh, ids), _put(sorder, mesh, ids), getkey()))
+
+
 def _shard_sums(fn, in_specs, out_specs, *args):
     """`(axes, operand shape)` of every `psum` in the program of `fn` inside `shard_map` on a
     (4, 2) mesh."""
