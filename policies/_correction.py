@@ -1,7 +1,8 @@
 """Error corrections (S3R-EC): which parts of the known rounding error are subtracted.
 
-A correction receives the GEMM outputs and the engine's [`s3req.AbstractErrorTerms`][] and
-returns the corrected outputs; the engine computes only the terms a correction asks for.
+A correction receives a GEMM output (dX, or dW) and the engine's
+[`s3req.AbstractErrorTerms`][] and returns the corrected output; the engine computes only the
+terms a correction asks for.
 """
 
 import typing
@@ -13,8 +14,11 @@ from s3req import AbstractCorrection as AbstractCorrection
 class NoEC(AbstractCorrection):
     """No correction: the GEMM outputs are only rescaled."""
 
-    def correct(self, terms, dx, dw):
-        return dx, dw
+    def correct_dx(self, terms, dx):
+        return dx
+
+    def correct_dw(self, terms, dw):
+        return dw
 
 
 @typing.final
@@ -25,8 +29,11 @@ class DxOnlyEC(AbstractCorrection):
     its channels. Enough for `Phi2D` (paper, Table I) and cheaper than the two-way correction.
     """
 
-    def correct(self, terms, dx, dw):
-        return dx - terms.dx_token(), dw
+    def correct_dx(self, terms, dx):
+        return dx - terms.dx_token()
+
+    def correct_dw(self, terms, dw):
+        return dw
 
 
 @typing.final
@@ -38,14 +45,19 @@ class TwoWayEC(AbstractCorrection):
     and every channel. Needed for `PhiBcast`.
     """
 
-    def correct(self, terms, dx, dw):
-        dx = dx - terms.dx_structured()
-        return dx, dw - terms.dw_token() - terms.dw_channel()
+    def correct_dx(self, terms, dx):
+        return dx - terms.dx_structured()
+
+    def correct_dw(self, terms, dw):
+        return dw - terms.dw_token() - terms.dw_channel()
 
 
 @typing.final
 class DwOnlyEC(AbstractCorrection):
     """The ablation of the paper's Table II: subtract the structured error from dW only."""
 
-    def correct(self, terms, dx, dw):
-        return dx, dw - terms.dw_token() - terms.dw_channel()
+    def correct_dx(self, terms, dx):
+        return dx
+
+    def correct_dw(self, terms, dw):
+        return dw - terms.dw_token() - terms.dw_channel()

@@ -17,6 +17,7 @@ integer GEMMs themselves are shared (`_gemms.py`).
 """
 
 import abc
+import copy
 import functools as ft
 import typing
 from collections.abc import Callable, Sequence
@@ -160,6 +161,13 @@ class AbstractLayer(eqx.Module):
         """`Q Wq^T` (float32)."""
 
     @abc.abstractmethod
+    def by_rows(self, fn: Callable[["AbstractLayer", Callable[[Array], Array]], Array]) -> Array:
+        """An output over the rows (`Y`, dX) from `fn(part, take)`, which computes it for the
+        rows of `part` (this layer restricted to some rows; `take` cuts those rows out of
+        an array over all rows): for all rows at once, or, in the programs of a backend
+        whose kernel does so, chunk by chunk into one array."""
+
+    @abc.abstractmethod
     def gemm_dw(self, xq: Array, q: Array) -> Array:
         """`Xq^T Q` (float32, exact for int8 codes)."""
 
@@ -283,6 +291,9 @@ class Dense(AbstractLayer):
         q, wq = _per_backend(lambda q, wq: (q, wq), q, wq, cuda=cuda)
         return _dot(q, wq, ((2,), (1 - self._h_axis,))).astype(_F32)
 
+    def by_rows(self, fn):
+        return fn(self, lambda v: v)
+
     def gemm_dw(self, xq, q):
         return _token_contraction(xq, q)
 
@@ -367,7 +378,8 @@ class Ragged(AbstractLayer):
     The segment sums and `Xq_e^T eps_e` are `jax.ops.segment_sum`s here and the dX terms of
     the error correction gathers of per-expert and per-segment values; on TPU the sums run as
     ragged contractions (those of `E` as the sums of the codes minus those of `G'`, read from
-    the upstream gradient) and both dX terms as one ragged product (`_kernels_tpu.py`). On CPU
+    the upstream gradient) and both dX terms as one ragged product, and the dX GEMM with its
+    correction runs in chunks of rows (`_kernels_tpu.py`). On CPU
     the three GEMMs read the codes as plain GEMM operands (`_kernels_cpu.ragged_gemm`,
     `ragged_rows`): XLA:CPU has no grouped GEMM; and a correction that uses no segment sum
     (dX-only) takes the row sums of `E` from the codes and `G'` apart, as dots
@@ -457,6 +469,20 @@ class Ragged(AbstractLayer):
 
     def gemm_dx(self, q, wq):
         return self._gemm(q, wq, 2).astype(_F32)
+
+    def by_rows(self, fn):
+        def part(take, sizes):
+            rows = dict(row_id=take(self.row_id), example_id=take(self.example_id))
+            return fn(
+                Ragged(group_sizes=sizes, **rows, axes=self.axes, num_examples=self.num_examples),
+                take,
+            )
+
+        n = self.row_id.shape[0]
+        return _per_backend(
+            lambda: fn(self, lambda v: v),
+            tpu=lambda: _kernels_tpu.row_chunks(part, n, self.group_sizes),
+        )
 
     def gemm_dw(self, xq, q):
         gs = self.group_sizes
@@ -549,6 +575,8 @@ class Ragged(AbstractLayer):
 _SEGMENT_TERMS = frozenset({"dx_channel", "dx_structured", "dw_channel"})
 """The terms that use the segment sums of `E` (the others use only its row sums)."""
 
+_DX_TERMS = frozenset({"dx_token", "dx_channel", "dx_structured"})
+
 
 class _ErrorTerms(AbstractErrorTerms):
     """The error terms of one backward pass, each computed when first asked for.
@@ -570,7 +598,9 @@ class _ErrorTerms(AbstractErrorTerms):
 
     The dW terms are formed from factors: `Xq^T eps` (the token term itself, a sum over
     rows) and the per-segment `Xq` sums and `a - m` of the channel term.
-    `sum_factors_first` may take them before the GEMMs.
+    `sum_factors_first` may take them before the GEMMs. The dX terms are formed from `eps`,
+    the row sums `Wq 1_D` and the per-segment `(a - m) Wq^T`, taken over all rows; a view
+    (`rows`) gives the dX terms of some rows, for a dX computed in chunks of rows.
 
     `fold_inputs` are `(g, shift, sx, sw)` with `gp = layer.fold(g * shift, sx, sw)`;
     `asked` the names of the terms the correction asks for (`asked_terms`).
@@ -588,6 +618,7 @@ class _ErrorTerms(AbstractErrorTerms):
         asked: frozenset[str],
     ):
         self.layer, self.gp, self.fold_inputs, self.xq, self.wq = layer, gp, fold_inputs, xq, wq
+        self.part, self.take = layer, lambda v: v  # the rows of the dX terms (`rows`)
         self.codes = {"dx": codes_dx, "dw": codes_dw}
         self.asked = asked
         self._cache = {}
@@ -668,24 +699,44 @@ class _ErrorTerms(AbstractErrorTerms):
         segments = step * ax.psum(layer.segment_sums(q), *layer.segment_roles) - gp_segments
         return rows, segments
 
-    @ft.cached_property
-    def _weight_row_sums(self):
-        return self.layer.weight_row_sums(self.wq, self.codes["dx"][0])
+    def _dx_factors(self):
+        """`(eps, rw, v)` over all rows, for the dX terms asked for (`None` where none
+        asks): the token means of the dX codes' error, the row sums `Wq 1_D` and the
+        per-segment `(a - m) Wq^T`."""
+        if "dx_factors" not in self._cache:
+            eps = rw = v = None
+            if self.asked & _DX_TERMS:
+                eps, am = self._means("dx")
+                if self.asked & {"dx_token", "dx_structured"}:
+                    rw = self.layer.weight_row_sums(self.wq, self.codes["dx"][0])
+                if self.asked & {"dx_channel", "dx_structured"}:
+                    v = self.layer.channel_dx(am, self.wq)
+            self._cache["dx_factors"] = (eps, rw, v)
+        return self._cache["dx_factors"]
 
-    def _channel_dx(self, am):
-        return self.layer.channel_dx(am, self.wq)
+    def rows(self) -> Callable[[AbstractLayer, Callable[[Array], Array]], "_ErrorTerms"]:
+        """`view(part, take)`: these terms with the dX terms of the rows of `part` only
+        (see `AbstractLayer.by_rows`). The factors over all rows are computed here, so that
+        an output computed in chunks of rows computes them once, outside its loop."""
+        self._dx_factors()
+
+        def view(part, take):
+            terms = copy.copy(self)
+            terms.part, terms.take = part, take
+            return terms
+
+        return view
 
     def dx_token(self):
-        eps, _ = self._means("dx")
-        return self.layer.token_dx(eps, self._weight_row_sums)
+        eps, rw, _ = self._dx_factors()
+        return self.part.token_dx(self.take(eps), rw)
 
     def dx_channel(self):
-        _, am = self._means("dx")
-        return self.layer.segment_dx(self._channel_dx(am))
+        return self.part.segment_dx(self._dx_factors()[2])
 
     def dx_structured(self):
-        eps, am = self._means("dx")
-        return self.layer.structured_dx(eps, self._weight_row_sums, self._channel_dx(am))
+        eps, rw, v = self._dx_factors()
+        return self.part.structured_dx(self.take(eps), rw, v)
 
     def dw_token(self):
         return self._factor("dw_token")
@@ -721,11 +772,13 @@ class _Asked(AbstractErrorTerms):
 
 
 def asked_terms(correction: AbstractCorrection, dx, dw) -> frozenset[str]:
-    """The names of the `AbstractErrorTerms` methods `correction.correct` calls for GEMM
-    outputs shaped as `dx` and `dw`, from an abstract trace (`jax.eval_shape`: nothing is
-    computed), so that `backward` can compute the dW terms' factors before the GEMMs."""
+    """The names of the `AbstractErrorTerms` methods `correction.correct_dx` and
+    `correct_dw` call for GEMM outputs shaped as `dx` and `dw`, from an abstract trace
+    (`jax.eval_shape`: nothing is computed), so that `backward` can compute the dW terms'
+    factors before the GEMMs."""
     asked = _Asked()
-    jax.eval_shape(lambda dx, dw: correction.correct(asked, dx, dw), dx, dw)
+    jax.eval_shape(lambda dx: correction.correct_dx(asked, dx), dx)
+    jax.eval_shape(lambda dw: correction.correct_dw(asked, dw), dw)
     return frozenset(asked.names)
 
 
@@ -830,9 +883,14 @@ def forward(layer: AbstractLayer, x: Array, w: Array):
     xq = round_to_int8(x.astype(_F32) * pow2(a), sx)
     checked, sw = sx * one, sw * one
     wq = round_to_int8(w.astype(_F32) * pow2(b), sw)
-    acc = ax.psum(layer.gemm(xq, wq), "d_in")  # exact int32 sums
-    y = unshift(acc.astype(_F32) * checked * layer.row_scales(sw), a + b)
-    return y.astype(x.dtype), (xq, wq, checked, sw, (a, b))
+
+    # The GEMM and the rescaling, by rows (the expert GEMMs on TPU: in chunks, `by_rows`).
+    def y_rows(part: AbstractLayer, take: Callable[[Array], Array]) -> Array:
+        acc = ax.psum(part.gemm(take(xq), wq), "d_in")  # exact int32 sums
+        y = unshift(acc.astype(_F32) * take(checked) * part.row_scales(sw), a + b)
+        return y.astype(x.dtype)
+
+    return layer.by_rows(y_rows), (xq, wq, checked, sw, (a, b))
 
 
 MIN_STEP = 2.0**-118
@@ -936,15 +994,20 @@ def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g):
     fold_inputs = (g, pow2(c), sx, sw)
     terms = _ErrorTerms(layer, gp, fold_inputs, codes_dx, codes_dw, xq, wq, asked)
     codes_dx, codes_dw = terms.sum_factors_first(codes_dx, codes_dw)
-    # The two GEMMs: one set of codes feeds both unless the topology quantizes twice.
-    dx = codes_dx[1] * layer.gemm_dx(codes_dx[0], wq)
-    dw = codes_dw[1] * layer.gemm_dw(xq, codes_dw[0])
+    # The two GEMMs, one set of codes feeding both unless the topology quantizes twice, and
     # S3R-EC: the correction subtracts parts of the structured error's image. The GEMM
     # outputs and the terms are this shard's partial sums (dX over its `d_out` block, dW over
     # its rows); the terms are linear in them, so each shard corrects its own part and one
-    # shard sum per gradient adds the corrected parts.
-    dx, dw = policy.correction.correct(terms, dx, dw)
-    dx, dw = ax.psum(dx, "d_out"), ax.psum(dw, "batch", "seq")
+    # shard sum adds the corrected parts. dX may be computed in chunks of rows (`by_rows`).
+    q_dx, view = codes_dx[0], terms.rows()
+
+    def dx_rows(part: AbstractLayer, take: Callable[[Array], Array]) -> Array:
+        dx = codes_dx[1] * part.gemm_dx(take(q_dx), wq)
+        return ax.psum(policy.correction.correct_dx(view(part, take), dx), "d_out")
+
+    dx = layer.by_rows(dx_rows)
+    dw = codes_dw[1] * layer.gemm_dw(xq, codes_dw[0])
+    dw = ax.psum(policy.correction.correct_dw(terms, dw), "batch", "seq")
     dx, dw = unshift(dx / sx, b + c), unshift(layer.weight_gradient(dw, sw), a + c)
     return dx, dw, gradient_checks(amax, layer.name)
 

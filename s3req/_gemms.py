@@ -97,6 +97,14 @@ def ragged_rows(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
     return ragged(lhs, rhs, group_sizes, ((0,), (0,)), False)
 
 
+def chunk_group_sizes(group_sizes: Int[Array, " e"], lo, hi) -> Int[Array, " e"]:
+    """The group sizes of the rows `[lo, hi)` of rows grouped by `group_sizes` (every
+    group clipped to the chunk; `lo` and `hi` static or traced)."""
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    return jnp.clip(jnp.minimum(ends, hi) - jnp.maximum(starts, lo), 0).astype(group_sizes.dtype)
+
+
 def ragged_row_chunks(
     lhs: Shaped[Array, "n a"],
     rhs: Shaped[Array, "n b"],
@@ -113,13 +121,11 @@ def ragged_row_chunks(
     n = lhs.shape[0]
     if n <= chunk:
         return contract(lhs, rhs, group_sizes).astype(_F32)
-    ends = jnp.cumsum(group_sizes)
-    starts = ends - group_sizes
     parts = []
     for lo in range(0, n, chunk):
         hi = min(lo + chunk, n)
-        sizes = jnp.clip(jnp.minimum(ends, hi) - jnp.maximum(starts, lo), 0)
-        parts.append(contract(lhs[lo:hi], rhs[lo:hi], sizes.astype(group_sizes.dtype)))
+        sizes = chunk_group_sizes(group_sizes, lo, hi)
+        parts.append(contract(lhs[lo:hi], rhs[lo:hi], sizes))
     stacked = jnp.stack(parts)
     return split_sum(stacked) if stacked.dtype == _I32 else jnp.sum(stacked, axis=0)
 

@@ -63,19 +63,21 @@ class AbstractTopology(eqx.Module):
 class AbstractErrorTerms(abc.ABC):
     """The structured rounding error of the backward gradient, passed through both GEMMs.
 
-    The engine implements this and hands it to [`s3req.AbstractCorrection.correct`][]. With
+    The engine implements this and hands it to [`s3req.AbstractCorrection.correct_dx`][]
+    and [`s3req.AbstractCorrection.correct_dw`][]. With
     the rounding error $E = \\Delta Q - G'$ of every segment (an example of a dense layer, an
     `(example, expert)` segment of an expert GEMM), token means $\\varepsilon$, channel means
     $a$ and grand mean $m$, the structured part is $P = a + \\varepsilon - m$. Each method
     returns one part of $P$'s image in a GEMM output, in the units of the GEMM outputs the
     correction receives (before the final division by the scales), with the rank of that
-    output and broadcastable to it. A term is computed only when a correction asks for it.
+    output and broadcastable to it (the dX terms for the rows of the dX output that
+    `correct_dx` receives). A term is computed only when a correction asks for it.
 
     Under [`s3req.ShardAxes`][] the correction receives one shard's partial GEMM outputs (dX
     from the shard's `d_out` block of the weight, dW from its rows) and the terms are that
     shard's parts of the same sums; the engine adds the corrected outputs over the shards
-    afterwards (one sum per gradient), so a correction must be linear in its arguments, as
-    subtracting terms is.
+    afterwards (one sum per gradient, or per chunk of dX rows), so a correction must be
+    linear in its arguments, as subtracting terms is.
 
     For a topology that quantizes twice, the dX terms come from the dX codes and the dW terms
     from the dW codes.
@@ -115,27 +117,47 @@ class AbstractCorrection(eqx.Module):
     """
 
     @abc.abstractmethod
-    def correct(
-        self, terms: AbstractErrorTerms, dx: Float[Array, "..."], dw: Float[Array, "..."]
-    ) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
-        """The corrected GEMM outputs.
+    def correct_dx(
+        self, terms: AbstractErrorTerms, dx: Float[Array, "..."]
+    ) -> Float[Array, "..."]:
+        """The corrected dX GEMM output, e.g. `dx - terms.dx_token()` for dX-only EC.
+
+        **Arguments:**
+
+        - `terms`: the error terms of this backward pass, for the rows of `dx`: the engine
+          may compute dX in chunks of rows (the expert GEMMs on TPU) and call this once per
+          chunk, with `dx` and the dX terms of those rows. Only the `dx_*` terms are
+          defined here.
+        - `dx`: the dX GEMM output $\\Delta\\, Q W_q^\\top$ of those rows, before the
+          division by `s_x` (under `ShardAxes`, this shard's part, see
+          [`s3req.AbstractErrorTerms`][]).
+
+        **Returns:**
+
+        An array of `dx`'s shape.
+        """
+
+    @abc.abstractmethod
+    def correct_dw(
+        self, terms: AbstractErrorTerms, dw: Float[Array, "..."]
+    ) -> Float[Array, "..."]:
+        """The corrected dW GEMM output, e.g. `dw - terms.dw_token() - terms.dw_channel()`
+        for two-way EC.
 
         **Arguments:**
 
         - `terms`: the error terms of this backward pass.
-        - `dx`: the dX GEMM output $\\Delta\\, Q W_q^\\top$, before the division by `s_x`
-          (under `ShardAxes`, this shard's part, see [`s3req.AbstractErrorTerms`][]).
         - `dw`: the dW GEMM output $\\Delta\\, X_q^\\top Q$, before the division by `s_w`
-          (likewise this shard's part).
+          (under `ShardAxes`, this shard's part, from its rows).
 
         **Returns:**
 
-        `(dx, dw)` with the same shapes, e.g. `(dx - terms.dx_token(), dw)` for dX-only EC.
+        An array of `dw`'s shape.
 
-        Before the GEMMs the engine also traces `correct` once abstractly (`jax.eval_shape`,
-        with every term zero) to learn which terms it asks for: on TPU the factors of the dW
-        terms are summed over the chips before the GEMMs. So which terms `correct` asks for
-        must not depend on their values.
+        Before the GEMMs the engine also traces `correct_dx` and `correct_dw` once abstractly
+        (`jax.eval_shape`, with every term zero) to learn which terms they ask for: on TPU
+        the factors of the dW terms are summed over the chips before the GEMMs. So which
+        terms a correction asks for must not depend on their values.
         """
 
 

@@ -101,12 +101,15 @@ forms, so CPU runs the reference. The layers choose per backend (`_per_backend`)
 Every function takes and returns local (per-shard) values: the engine adds the shard sums.
 """
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Int8, Shaped
 
 from ._gemms import (
     check_sum_terms,
+    chunk_group_sizes,
     HIGHEST,
     ragged,
     ragged_row_chunks,
@@ -297,3 +300,41 @@ def structured_dx(
     rhs = jnp.concatenate([rw[:, None, :], per_expert], axis=1)
     lhs = jnp.concatenate([eps[:, None], _examples(example_id, num_examples, _F32)], axis=1)
     return ragged(lhs, rhs, group_sizes, ((1,), (1,)), True)
+
+
+ROW_CHUNK = 2**15
+"""The most rows per chunk of an expert GEMM's output (`row_chunks`): `2**15 x 2048` float32
+is 256 MiB."""
+
+
+def row_chunk(n: int) -> int:
+    """The rows per chunk of an expert GEMM's output of `n` rows: the largest divisor of `n`
+    not above `ROW_CHUNK`, or `n` (one chunk) where every such divisor is below
+    `ROW_CHUNK / 8` (more chunks, each reading every expert's weights, for a small gain)."""
+    parts = -(-n // ROW_CHUNK)
+    while 8 * n >= ROW_CHUNK * parts:
+        if n % parts == 0:
+            return n // parts
+        parts += 1
+    return n
+
+
+def row_chunks(
+    fn: Callable[[Callable[[Array], Array], Array], Array],
+    n: int,
+    group_sizes: Int[Array, " e"],
+) -> Array:
+    """`fn(take, sizes)`, the output rows of an expert GEMM computed from `take` (which cuts
+    those rows out of an array over all `n` rows) and their group sizes `sizes`, for every
+    chunk of `c = row_chunk(n)` rows, written in place into one `(n, ...)` array
+    (`jax.lax.map`)."""
+    c = row_chunk(n)
+    if c == n:
+        return fn(lambda v: v, group_sizes)
+
+    def chunk(lo):
+        take = lambda v: jax.lax.dynamic_slice_in_dim(v, lo, c)
+        return fn(take, chunk_group_sizes(group_sizes, lo, lo + c))
+
+    out = jax.lax.map(chunk, jnp.arange(0, n, c, dtype=_I32))
+    return out.reshape(n, *out.shape[2:])

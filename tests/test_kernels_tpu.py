@@ -180,6 +180,62 @@ def test_ragged_tpu_kernel_agrees_inside_shard_map(getkey):
     _assert_agree(policy, ref, tpu)
 
 
+def test_row_chunk():
+    """The rows per chunk of an expert GEMM's output: the largest divisor of the rows at most
+    `ROW_CHUNK`, unless it is below `ROW_CHUNK / 8` (then one chunk), against a search over
+    all divisors."""
+    c = kernels_tpu.ROW_CHUNK
+    for n in (100, c, c + 1, 3 * c + 3, 6 * c + 6, 8 * c, 200000, 2**31 - 1):
+        best = max(k for k in range(1, min(n, c) + 1) if n % k == 0)
+        assert kernels_tpu.row_chunk(n) == (best if 8 * best >= c else n), n
+    assert kernels_tpu.row_chunk(8 * c) == c  # Table IV's 262144 rows per shard
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["jit", "shard_map-d_out"])
+def test_expert_gemms_in_row_chunks(monkeypatch, getkey, sharded):
+    """The TPU kernel's expert GEMMs computing `Y`, and dX with its correction, in chunks of
+    8 rows (groups straddle the chunks, one expert has no rows; sharded: inside `shard_map`
+    with the features split over 2 shards of `d_out`, the sum over them taken per chunk)
+    against one chunk, bit for bit (every row's GEMM, terms and sum are the same
+    arithmetic), and against the reference as `test_ragged_tpu_kernel_agrees_with_reference`,
+    with every correction."""
+    x, w, gs, g, row_id, example_id = _problem(4)
+    n, key = x.shape[0], getkey()
+    policies = [Policy(Phi2D(), c) for c in ALL_CORRECTIONS]
+    if sharded:
+        mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
+        axes = ShardAxes(d_out="tp")
+        w_spec, g_spec, r = P(None, None, "tp"), P(None, "tp"), P()
+    else:
+        mesh, axes = None, None
+
+    def run(kernels, chunk):
+        monkeypatch.setattr(kernels_tpu, "ROW_CHUNK", chunk)
+
+        def fn(x, w, g, key):
+            return [
+                with_kernels(kernels, _vjp)(p, x, w, gs, g, key, row_id, example_id, axes)
+                for p in policies
+            ]
+
+        if sharded:
+            specs = (r, w_spec, g_spec)
+            outs = [(g_spec, r, w_spec) for _ in policies]
+            fn = jax.shard_map(fn, mesh=mesh, in_specs=(*specs, r), out_specs=outs)
+            args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w, g), specs)]
+            return jax.jit(fn)(*args, key)
+        return jax.jit(fn)(x, w, g, key)
+
+    assert kernels_tpu.row_chunk(n) == n
+    whole, ref = run("tpu", kernels_tpu.ROW_CHUNK), run("reference", kernels_tpu.ROW_CHUNK)
+    chunked = run("tpu", 8)
+    assert kernels_tpu.row_chunk(n) == 8 and n > 8
+    for policy, a, b, c in zip(policies, whole, chunked, ref):
+        for which, u, v in zip(("y", "dX", "dW"), a, b):
+            np.testing.assert_array_equal(u, v, err_msg=f"{policy_id(policy)} {which}")
+        _assert_agree(policy, c, b)
+
+
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float32])
 def test_segment_sums_in_row_chunks(monkeypatch, dtype):
     """`segment_sums` with the rows cut into chunks of 7 (groups straddle the chunks, one
@@ -365,7 +421,8 @@ def test_dense_tpu_kernel_agrees_with_reference(getkey, shape, sharded):
     "correction", ALL_CORRECTIONS + [DwOnlyEC()], ids=lambda c: type(c).__name__
 )
 def test_asked_terms(correction):
-    """The terms a correction asks for, read from an abstract trace of `correct`: the dW
+    """The terms a correction asks for, read from abstract traces of `correct_dx` and
+    `correct_dw`: the dW
     terms (whose factors are summed first on TPU) exactly where the correction subtracts
     them from dW."""
     dx = jax.ShapeDtypeStruct((2, 8, 16), jnp.float32)
