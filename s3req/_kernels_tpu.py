@@ -63,28 +63,44 @@ the weights and the routing, so XLA computes it early and keeps it until the dX 
 The product writes one such array, after the statistics it needs; dX-only EC's term
 `eps * (Wq_e 1_D)` is the same product of the rows `eps` alone (`token_dx`). (Under `d_out`
 sharding both take this shard's block of `Wq`, and the engine subtracts them from this
-shard's partial dX before the one sum of dX.)
+shard's partial dX before the sum of dX over the shards, chunk by chunk: below.)
+
+**An expert GEMM's outputs in chunks of rows.** XLA:TPU writes an expert GEMM's int32
+result, its float32 rescaling and, where the features are split over `tp`, their sum over
+the shards as arrays of the output's size (at Table IV's 262144 rows per shard and a width
+of 2048: 2 GiB each); it runs the gather of every row's weight scales `s_w[expert]` in the
+rescaling of `Y` as its own kernel, writing one more; and the dX terms of the error
+correction are one more, alive beside the partial dX until the subtraction. So an expert
+GEMM computes `Y`, and dX with its correction, in chunks of at most `ROW_CHUNK` rows
+(`row_chunks`, a `jax.lax.map` whose chunks XLA writes in place into one output array; the
+engine's `AbstractLayer.by_rows`): per chunk the GEMM over the chunk's group sizes, the
+rescaling or the correction, and the sum over the `tp` shards. Each chunk reads every
+expert's weights (`E h d` int8, 96 MiB per `tp` shard of Qwen3-30B-A3B's `up` GEMM), eight
+times per GEMM at 262144 rows: a cost the compile's memory figures do not show, not timed
+on a TPU.
 
 Measured with `benchmarks/tpu_moe_layer.py --mode shard_map_tp --policies
-s3r,s3r-ec-dx,s3r-ec-2way --packing [--kernels reference]` (Qwen3-30B-A3B's expert GEMMs laid
-out as Table IV's step: v5p 2x2x1 as `data=2 x tp=2`, 262144 rows per `data` shard, `up`
-column-parallel (`d_out = tp`), `down` row-parallel (`d_in = tp`), as the FFN), EC over S3R
-in MiB per chip, temporaries / XLA's peak (S3R: up 3141 / 6338, down 4217 / 7412):
+rtne,s3r,s3r-ec-dx,s3r-ec-2way --packing [--kernels reference]` (Qwen3-30B-A3B's expert
+GEMMs laid out as Table IV's step: v5p 2x2x1 as `data=2 x tp=2`, 262144 rows per `data`
+shard, `up` `(n, 2048) @ (128, 2048, 768)` column-parallel (`d_out = tp`), `down`
+`(n, 768) @ (128, 768, 2048)` row-parallel (`d_in = tp`), as the FFN), MiB per chip,
+temporaries / XLA's peak / the most bytes live at one instruction (`BufferPacking.live`):
 
-| forms (`--kernels`) | up `(n, 2048) @ (128, 2048, 768)` | down `(n, 768) @ (128, 768, 2048)` |
-| --- | --- | --- |
-| reference, two-way | +4371 / +3365 | +532 / -11 |
-| these (`auto`), two-way | +1930 / +1536 | +342 / +148 |
-| reference, dX-only | +2310 / +1344 | -16 / -14 |
-| these (`auto`), dX-only | +2308 / +1536 | +78 / +80 |
+| forms (`--kernels`) | policy | up | down |
+| --- | --- | --- | --- |
+| reference | S3R (= RTNE) | 3444 / 6034 / 2833 | 4408 / 7412 / 4211 |
+| reference | dX-only | 5115 / 7923 / 4722 | 4200 / 7398 / 4197 |
+| reference | two-way | 7510 / 9703 / 6502 | 4749 / 7402 / 4201 |
+| these (`auto`) | S3R (= RTNE) | 3012 / 6210 / 3009 | 5639 / 5765 / 2564 |
+| these (`auto`) | dX-only | 3225 / 6422 / 3221 | 3578 / 6132 / 2931 |
+| these (`auto`) | two-way | 4942 / 7405 / 4204 | 6230 / 6587 / 3386 |
 
-On the column-parallel `up` GEMM each `tp` shard subtracts its part of the dX terms, an
-`(n, h)` float32 array, from its partial dX before their one sum over `tp`: one layer alone
-keeps that array beside the partial dX (+1.5 GiB on the peak with either correction). In
-Table IV's steps (full rematerialisation) dX-only needs what S3R needs (-0.004 / -0.002 GB
-on the total, +0.006 / +0.004 GB on the peak, Qwen3-30B-A3B / DeepSeek-V2-Lite: its page's
-rows), where these forms' `token_dx` also keeps the row sums' gather from being computed
-early.
+The chunks take the largest arrays out of every policy's peak (the `down` GEMM's forward
+holds its int32 result, the sum over `tp` and the gathered scales at once: -1647 MiB on
+S3R's peak) and the dX terms out of the error corrections' (dX-only needs +212 MiB over
+S3R on the `up` peak, where all rows' terms needed +1889); where the live bytes drop, XLA's
+packing may still leave holes (`temporaries` counts a hole twice, the compile guide's
+packing section): two-way EC's `down` GEMM has 1422 MiB of them.
 
 XLA:TPU computes a ragged contraction (contracting the rows) as a masked convolution over
 all experts, and besides the `(E, rows)` mask it uses it writes an `(E, rows, 1)` boolean

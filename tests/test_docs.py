@@ -56,7 +56,14 @@ def test_mkdocs_build_strict(tmp_path):
 
 # Guides whose Python blocks run top to bottom as one program (others hold long training runs
 # or shell commands).
-RUNNABLE_GUIDES = ["quickstart.md", "formats.md", "scaling.md", "own-model.md", "reliability.md"]
+RUNNABLE_GUIDES = [
+    "quickstart.md",
+    "concepts.md",
+    "formats.md",
+    "scaling.md",
+    "own-model.md",
+    "reliability.md",
+]
 
 
 @pytest.mark.parametrize("guide", RUNNABLE_GUIDES)
