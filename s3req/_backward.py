@@ -729,13 +729,17 @@ class _ErrorTerms(AbstractErrorTerms):
 
     def dx_token(self):
         eps, rw, _ = self._dx_factors()
+        assert eps is not None and rw is not None  # asked for (`asked_terms`)
         return self.part.token_dx(self.take(eps), rw)
 
     def dx_channel(self):
-        return self.part.segment_dx(self._dx_factors()[2])
+        v = self._dx_factors()[2]
+        assert v is not None
+        return self.part.segment_dx(v)
 
     def dx_structured(self):
         eps, rw, v = self._dx_factors()
+        assert eps is not None and rw is not None and v is not None
         return self.part.structured_dx(self.take(eps), rw, v)
 
     def dw_token(self):

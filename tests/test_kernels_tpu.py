@@ -202,12 +202,9 @@ def test_expert_gemms_in_row_chunks(monkeypatch, getkey, sharded):
     x, w, gs, g, row_id, example_id = _problem(4)
     n, key = x.shape[0], getkey()
     policies = [Policy(Phi2D(), c) for c in ALL_CORRECTIONS]
-    if sharded:
-        mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
-        axes = ShardAxes(d_out="tp")
-        w_spec, g_spec, r = P(None, None, "tp"), P(None, "tp"), P()
-    else:
-        mesh, axes = None, None
+    mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
+    axes = ShardAxes(d_out="tp") if sharded else None
+    w_spec, g_spec, r = P(None, None, "tp"), P(None, "tp"), P()
 
     def run(kernels, chunk):
         monkeypatch.setattr(kernels_tpu, "ROW_CHUNK", chunk)
