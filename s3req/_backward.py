@@ -378,8 +378,8 @@ class Ragged(AbstractLayer):
     The segment sums and `Xq_e^T eps_e` are `jax.ops.segment_sum`s here and the dX terms of
     the error correction gathers of per-expert and per-segment values; on TPU the sums run as
     ragged contractions (those of `E` as the sums of the codes minus those of `G'`, read from
-    the upstream gradient) and both dX terms as one ragged product, and the dX GEMM with its
-    correction runs in chunks of rows (`_kernels_tpu.py`). On CPU
+    the upstream gradient) and both dX terms as one ragged product, and `Y` and dX (with its
+    correction) are computed in chunks of rows (`by_rows`; `_kernels_tpu.py`). On CPU
     the three GEMMs read the codes as plain GEMM operands (`_kernels_cpu.ragged_gemm`,
     `ragged_rows`): XLA:CPU has no grouped GEMM; and a correction that uses no segment sum
     (dX-only) takes the row sums of `E` from the codes and `G'` apart, as dots
@@ -576,6 +576,7 @@ _SEGMENT_TERMS = frozenset({"dx_channel", "dx_structured", "dw_channel"})
 """The terms that use the segment sums of `E` (the others use only its row sums)."""
 
 _DX_TERMS = frozenset({"dx_token", "dx_channel", "dx_structured"})
+"""The terms of dX (`correct_dx` asks for them, for the rows of its dX)."""
 
 
 class _ErrorTerms(AbstractErrorTerms):
