@@ -419,9 +419,8 @@ def test_dense_tpu_kernel_agrees_with_reference(getkey, shape, sharded):
 )
 def test_asked_terms(correction):
     """The terms a correction asks for, read from abstract traces of `correct_dx` and
-    `correct_dw`: the dW
-    terms (whose factors are summed first on TPU) exactly where the correction subtracts
-    them from dW."""
+    `correct_dw`: the dW terms (whose factors are summed first on TPU) exactly where the
+    correction subtracts them from dW."""
     dx = jax.ShapeDtypeStruct((2, 8, 16), jnp.float32)
     dw = jax.ShapeDtypeStruct((16, 12), jnp.float32)
     expected = {
