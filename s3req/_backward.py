@@ -479,10 +479,10 @@ class Ragged(AbstractLayer):
             )
 
         n = self.row_id.shape[0]
-        return _per_backend(
-            lambda: fn(self, lambda v: v),
-            tpu=lambda: _kernels_tpu.row_chunks(part, n, self.group_sizes),
-        )
+        whole = lambda: fn(self, lambda v: v)
+        if _kernels_tpu.row_chunk(n) == n:  # one chunk: the same program on every backend
+            return whole()
+        return _per_backend(whole, tpu=lambda: _kernels_tpu.row_chunks(part, n, self.group_sizes))
 
     def gemm_dw(self, xq, q):
         gs = self.group_sizes
