@@ -976,9 +976,11 @@ def _first_order_only_jvp(name, primals, tangents):
 _G_ROLES = ("batch", "seq", "d_out")
 
 
-def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g):
-    """dX and dW (float32) of the quantized matmul for the upstream gradient `g`, and the
-    checks of that gradient (`gradient_checks`), for the caller to attach to both."""
+def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g, dx_dtype):
+    """dX (in `dx_dtype`, x's dtype) and dW (float32) of the quantized matmul for the upstream
+    gradient `g`, and the checks of that gradient (`gradient_checks`), for the caller to
+    attach to both. dX is cast by rows, so an expert GEMM's dX computed in chunks of rows is
+    written in x's dtype, not in float32."""
     xq, wq, sx, sw, (a, b) = residuals
     g, sx, sw = first_order_only(layer.name, (g, sx, sw))
     ax = layer.axes
@@ -1004,16 +1006,21 @@ def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g):
     # outputs and the terms are this shard's partial sums (dX over its `d_out` block, dW over
     # its rows); the terms are linear in them, so each shard corrects its own part and one
     # shard sum adds the corrected parts. dX may be computed in chunks of rows (`by_rows`).
-    q_dx, view = codes_dx[0], terms.rows()
+    # dX is cast to x's dtype by rows, and divided by `s_x` as a product with its reciprocal
+    # (normal: `s_x` is checked normal and below 2**21): XLA rewrites a division by a row
+    # vector as such a product inside a loop but not outside, so a dX computed in chunks
+    # would differ in the last bit from one computed whole.
+    q_dx, view, rx = codes_dx[0], terms.rows(), 1.0 / sx
 
     def dx_rows(part: AbstractLayer, take: Callable[[Array], Array]) -> Array:
         dx = codes_dx[1] * part.gemm_dx(take(q_dx), wq)
-        return ax.psum(policy.correction.correct_dx(view(part, take), dx), "d_out")
+        dx = ax.psum(policy.correction.correct_dx(view(part, take), dx), "d_out")
+        return unshift(dx * take(rx), b + c).astype(dx_dtype)
 
     dx = layer.by_rows(dx_rows)
     dw = codes_dw[1] * layer.gemm_dw(xq, codes_dw[0])
     dw = ax.psum(policy.correction.correct_dw(terms, dw), "batch", "seq")
-    dx, dw = unshift(dx / sx, b + c), unshift(layer.weight_gradient(dw, sw), a + c)
+    dw = unshift(layer.weight_gradient(dw, sw), a + c)
     return dx, dw, gradient_checks(amax, layer.name)
 
 
@@ -1041,12 +1048,12 @@ def _fwd(policy, layer, x, w, key):
 
 def _bwd(policy, saved, g):
     layer, residuals, key, x_like, w_like = saved
-    dx, dw, checks = backward(policy, layer, residuals, key, g)
+    dx, dw, checks = backward(policy, layer, residuals, key, g, x_like.dtype)
     # Each gradient carries one check: the upstream gradient's, then its own finiteness (the
     # inputs were checked, so a non-finite one overflowed here). A program that uses only one
     # of them computes only its check.
     ax = layer.axes
-    dx, dw = dx.astype(x_like.dtype), dw.astype(w_like.dtype)
+    dw = dw.astype(w_like.dtype)
     dx = dx * passed(
         (*checks, _finite(dx, ("batch", "seq", "d_in"), _overflow(layer, "dX"))), ax, dx.dtype
     )
