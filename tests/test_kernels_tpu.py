@@ -233,6 +233,39 @@ def test_expert_gemms_in_row_chunks(monkeypatch, getkey, sharded):
         _assert_agree(policy, c, b)
 
 
+@pytest.mark.parametrize("policy", [Policy(Phi2D(), c) for c in ALL_CORRECTIONS], ids=policy_id)
+def test_expert_gemms_in_row_chunks_at_scale(monkeypatch, getkey, policy):
+    """The chunked expert GEMMs at a realistic shape: 4 examples of 512 tokens routed top-2
+    over 8 experts (4096 rows, `(4096, 256) @ (8, 256, 128)`), bfloat16 activations and
+    gradient, in chunks of 1024 rows (groups straddle the chunks) against one chunk:
+    `Y`, dX (divided by `s_x` and cast to bfloat16 chunk by chunk) and dW bit for bit."""
+    examples, seq, top_k, experts, h, d = 4, 512, 2, 8, 256, 128
+    rng = np.random.default_rng(7)
+    flat = np.stack([rng.permutation(experts)[:top_k] for _ in range(examples * seq)]).ravel()
+    order = np.argsort(flat, kind="stable").astype(np.int32)
+    gs = jnp.asarray(np.bincount(flat, minlength=experts).astype(np.int32))
+    n = flat.shape[0]
+    x = jnp.asarray(rng.standard_normal((n, h)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((experts, h, d)), jnp.float32)
+    g = jnp.asarray(
+        rng.standard_normal((n, d)) * np.exp(rng.standard_normal((n, d))), jnp.bfloat16
+    )
+    row_id, example_id = jnp.asarray(order), jnp.asarray((order // top_k) // seq)
+    key = getkey()
+
+    def run(chunk):
+        monkeypatch.setattr(kernels_tpu, "ROW_CHUNK", chunk)
+        vjp = functools.partial(ragged_vjp, num_examples=examples)
+        fn = lambda x, w, g: with_kernels("tpu", vjp)(policy, x, w, gs, g, key, row_id, example_id)
+        return jax.jit(fn)(x, w, g)
+
+    whole, chunked = run(2 * n), run(1024)
+    assert kernels_tpu.row_chunk(n) == 1024 and np.any(np.cumsum(np.asarray(gs)) % 1024)
+    for which, u, v in zip(("y", "dX", "dW"), whole, chunked):
+        assert u.dtype == v.dtype and u.dtype == (jnp.float32 if which == "dW" else jnp.bfloat16)
+        np.testing.assert_array_equal(u, v, err_msg=which)
+
+
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float32])
 def test_segment_sums_in_row_chunks(monkeypatch, dtype):
     """`segment_sums` with the rows cut into chunks of 7 (groups straddle the chunks, one
