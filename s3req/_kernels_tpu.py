@@ -75,9 +75,8 @@ GEMM computes `Y`, and dX with its correction, in chunks of at most `ROW_CHUNK` 
 (`row_chunks`, a `jax.lax.map` whose chunks XLA writes in place into one output array; the
 engine's `AbstractLayer.by_rows`): per chunk the GEMM over the chunk's group sizes, the
 rescaling or the correction, the sum over the `tp` shards, and the cast to x's dtype (the
-engine's `backward` divides dX by `s_x` and casts it by rows, so the loop's output is
-bfloat16 for bfloat16 activations: 1 GiB at 262144 x 2048, where a float32 one was 2 and
-was placed at the top of the Table IV steps' blocks). Each chunk reads every
+engine's `backward` divides dX by `s_x` and casts it by rows, so the loop writes bfloat16
+for bfloat16 activations: 1 GiB at 262144 x 2048 rather than float32's 2). Each chunk reads every
 expert's weights (`E h d` int8, 96 MiB per `tp` shard of Qwen3-30B-A3B's `up` GEMM), eight
 times per GEMM at 262144 rows: a cost the compile's memory figures do not show, not timed
 on a TPU.
