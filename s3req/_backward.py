@@ -1006,16 +1006,16 @@ def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g, dx
     # outputs and the terms are this shard's partial sums (dX over its `d_out` block, dW over
     # its rows); the terms are linear in them, so each shard corrects its own part and one
     # shard sum adds the corrected parts. dX may be computed in chunks of rows (`by_rows`).
-    # dX is cast to x's dtype by rows, and divided by `s_x` as a product with its reciprocal
-    # (normal: `s_x` is checked normal and below 2**21): XLA rewrites a division by a row
-    # vector as such a product inside a loop but not outside, so a dX computed in chunks
-    # would differ in the last bit from one computed whole.
-    q_dx, view, rx = codes_dx[0], terms.rows(), 1.0 / sx
+    # dX is divided by `s_x` and cast to x's dtype by rows. (As a product with `1 / s_x`, a
+    # value of the forward's scales alone, the TPU compile of Table IV's 32-layer
+    # Llama 3.1-8B step needed 7 GiB more. Inside a loop of chunks XLA:CPU computes the
+    # division as that product: a chunked dX may differ from a whole one by a rounding.)
+    q_dx, view = codes_dx[0], terms.rows()
 
     def dx_rows(part: AbstractLayer, take: Callable[[Array], Array]) -> Array:
         dx = codes_dx[1] * part.gemm_dx(take(q_dx), wq)
         dx = ax.psum(policy.correction.correct_dx(view(part, take), dx), "d_out")
-        return unshift(dx * take(rx), b + c).astype(dx_dtype)
+        return unshift(dx / take(sx), b + c).astype(dx_dtype)
 
     dx = layer.by_rows(dx_rows)
     dw = codes_dw[1] * layer.gemm_dw(xq, codes_dw[0])
