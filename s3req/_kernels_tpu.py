@@ -90,18 +90,18 @@ temporaries / XLA's peak / the most bytes live at one instruction (`BufferPackin
 
 | forms (`--kernels`) | policy | up | down |
 | --- | --- | --- | --- |
-| reference | RTNE | 3444 / 6034 / 2833 | 4825 / 8019 / 4818 |
-| reference | S3R | 3444 / 6034 / 2833 | 4409 / 7413 / 4212 |
-| reference | dX-only | 8190 / 7922 / 4721 | 4201 / 7399 / 4198 |
-| reference | two-way | 7512 / 9703 / 6502 | 4750 / 7403 / 4202 |
-| these (`auto`) | S3R (= RTNE) | 2964 / 6066 / 2865 | 5639 / 5765 / 2564 |
-| these (`auto`) | dX-only | 3461 / 6083 / 2882 | 2873 / 6070 / 2869 |
-| these (`auto`) | two-way | 3532 / 6566 / 3365 | 6390 / 6619 / 3418 |
+| reference | RTNE | 3444 / 6034 / 2833 | 4823 / 8019 / 4818 |
+| reference | S3R | 3444 / 6034 / 2833 | 4408 / 7412 / 4211 |
+| reference | dX-only | 5115 / 7923 / 4722 | 4200 / 7398 / 4197 |
+| reference | two-way | 7510 / 9703 / 6502 | 4749 / 7402 / 4201 |
+| these (`auto`) | S3R (= RTNE) | 2964 / 6066 / 2865 | 5638 / 5764 / 2563 |
+| these (`auto`) | dX-only | 3461 / 6083 / 2882 | 2872 / 6069 / 2868 |
+| these (`auto`) | two-way | 3532 / 6566 / 3365 | 6388 / 6618 / 3417 |
 
 The chunks take the largest arrays out of every policy's peak (the `down` GEMM's forward
 holds its int32 result, the sum over `tp` and the gathered scales at once: -1648 MiB on
 S3R's peak) and the dX terms out of the error corrections' (dX-only needs +17 MiB over S3R
-on the `up` peak, where all rows' terms needed +1888; two-way +500, where they needed
+on the `up` peak, where all rows' terms needed +1889; two-way +500, where they needed
 +3669); where the live bytes drop, XLA's packing may still leave holes (`temporaries`
 counts a hole twice, the compile guide's packing section): S3R's `down` GEMM has 1537 MiB
 of them, two-way EC's 1486.
