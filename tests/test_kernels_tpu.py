@@ -247,13 +247,15 @@ def test_expert_gemms_in_row_chunks(monkeypatch, getkey, sharded):
         _assert_agree(policy, c, a)
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["jit", "shard_map-d_out"])
 @pytest.mark.parametrize("policy", [Policy(Phi2D(), c) for c in ALL_CORRECTIONS], ids=policy_id)
-def test_expert_gemms_in_row_chunks_at_scale(monkeypatch, getkey, policy):
+def test_expert_gemms_in_row_chunks_at_scale(monkeypatch, getkey, policy, sharded):
     """The chunked expert GEMMs at a realistic shape: 4 examples of 512 tokens routed top-2
     over 8 experts (4096 rows, `(4096, 256) @ (8, 256, 128)`), bfloat16 activations and
     gradient, in chunks of 1024 rows (groups straddle the chunks) against one chunk:
     `Y`, dX (divided by `s_x` and cast to bfloat16 chunk by chunk) and dW as
-    `_assert_same_rows`."""
+    `_assert_same_rows`; sharded: inside `shard_map` with the features split over 2 shards
+    of `d_out` (the dX sum over them taken per chunk, before the division and the cast)."""
     examples, seq, top_k, experts, h, d = 4, 512, 2, 8, 256, 128
     rng = np.random.default_rng(7)
     flat = np.stack([rng.permutation(experts)[:top_k] for _ in range(examples * seq)]).ravel()
@@ -267,12 +269,22 @@ def test_expert_gemms_in_row_chunks_at_scale(monkeypatch, getkey, policy):
     )
     row_id, example_id = jnp.asarray(order), jnp.asarray((order // top_k) // seq)
     key = getkey()
+    mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
+    axes = ShardAxes(d_out="tp") if sharded else None
+    w_spec, g_spec, r = P(None, None, "tp"), P(None, "tp"), P()
 
     def run(chunk):
         monkeypatch.setattr(kernels_tpu, "ROW_CHUNK", chunk)
         vjp = functools.partial(ragged_vjp, num_examples=examples)
-        fn = lambda x, w, g: with_kernels("tpu", vjp)(policy, x, w, gs, g, key, row_id, example_id)
-        return jax.jit(fn)(x, w, g)
+        fn = lambda x, w, g: with_kernels("tpu", vjp)(
+            policy, x, w, gs, g, key, row_id, example_id, axes
+        )
+        if not sharded:
+            return jax.jit(fn)(x, w, g)
+        specs = (r, w_spec, g_spec)
+        fn = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(g_spec, r, w_spec))
+        args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w, g), specs)]
+        return jax.jit(fn)(*args)
 
     whole, chunked = run(2 * n), run(1024)
     assert kernels_tpu.row_chunk(n) == 1024 and np.any(np.cumsum(np.asarray(gs)) % 1024)
