@@ -51,6 +51,33 @@ def dot(
     return jax.lax.dot_general(a.astype(_F32), b.astype(_F32), dims, precision=precision)
 
 
+def int8_digits(a: Float[Array, "r ..."], count: int) -> tuple[Int8[Array, "k r ..."], Array]:
+    """Every row of `a` as `count` signed base-128 int8 digits and a float32 scale,
+    `a[i] ~ scale[i] * sum_j digits[j, i] * digit_weights(count)[j]`: a float factor of a
+    product with int8 codes then runs as an int8 product of its digits with exact int32 sums.
+
+    The row is divided by `scale = max|a[i]| / 64` (1 for a zero row; one float32 rounding,
+    within `2**-24 |a|`), which puts it in [-64, 64]; each digit is the nearest integer to
+    what the digits before it left, times 128 (exact), so every digit lies in [-64, 64] and
+    the remainder is below `2**(-7 count)` of the row's largest entry. A row of ones is one
+    digit, 64."""
+    r = a.shape[0]
+    amax = jnp.max(jnp.abs(a.reshape(r, -1)), axis=1)
+    scale = jnp.where(amax == 0, 1.0, amax / 64.0)
+    c = a / scale.reshape((r,) + (1,) * (a.ndim - 1))
+    digits = []
+    for _ in range(count):
+        d = jnp.round(c)
+        digits.append(d)
+        c = (c - d) * 128.0
+    return jnp.stack(digits).astype(jnp.int8), scale
+
+
+def digit_weights(count: int) -> Float[Array, " k"]:
+    """The weights `128**-j` of the digits of `int8_digits`."""
+    return 128.0 ** -jnp.arange(count, dtype=_F32)
+
+
 def split_sum(parts: Int[Array, "k ..."]) -> Float[Array, "..."]:
     """The sum over the first axis of int32 partial sums, exact: their high and low 16-bit
     parts are summed in int32, and `hi * 2**16 + lo` is rounded once to float32."""

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Int8, Shaped
 
-from ._gemms import check_sum_terms, dot, HIGHEST
+from ._gemms import check_sum_terms, digit_weights, dot, HIGHEST, int8_digits
 from ._quantize import QMAX
 
 
@@ -128,29 +128,21 @@ def digits_dot(a: Float[Array, "r ..."], m: Int8[Array, "..."], m_contract: tupl
     """`a . m` over the trailing axes of the float `a` and the axes `m_contract` of the int8
     `m`, float32 `(r, *rest of m)`, without converting `m` to float.
 
-    Each row of `a` is written as `scale * sum_j digit_j / 128**j` with `DIGITS` int8 digits
-    in [-64, 64] (the remainder is below `2**-21` of the row's largest entry, less than a
-    float32 rounding of a sum of many terms), and the digits run as one small int8 GEMM with
-    exact int32 sums. A row of ones is represented exactly (one digit 64). Past
+    Each row of `a` is written as `DIGITS` int8 digits in [-64, 64] (`int8_digits`; the
+    remainder is below `2**-21` of the row's largest entry, less than a float32 rounding of
+    a sum of many terms), and the digits run as one small int8 GEMM with exact int32 sums.
+    A row of ones is represented exactly (one digit 64). Past
     `2**31 / (64 * 127)` contracted terms it falls back to a float32 product.
     """
     r, k = a.shape[0], a.shape[1:]
     if 64 * QMAX * math.prod(k) >= 2**31:  # int32 sums could overflow: float32 instead
         contract = (tuple(range(1, 1 + len(k))), m_contract)
         return jax.lax.dot_general(a, m.astype(_F32), (contract, ((), ())))
-    amax = jnp.max(jnp.abs(a.reshape(r, -1)), axis=1)
-    scale = jnp.where(amax == 0, 1.0, amax / 64.0)
-    c = a / scale.reshape((r,) + (1,) * len(k))
-    digits = []
-    for _ in range(DIGITS):
-        d = jnp.round(c)
-        digits.append(d)
-        c = (c - d) * 128.0
-    dig = jnp.stack(digits).astype(jnp.int8).reshape((DIGITS * r,) + k)
+    digits, scale = int8_digits(a, DIGITS)
+    dig = digits.reshape((DIGITS * r,) + k)
     prod = _int_dot(dig, m, (tuple(range(1, 1 + len(k))), m_contract)).astype(_F32)
     prod = prod.reshape((DIGITS, r) + prod.shape[1:])
-    weights = 128.0 ** -jnp.arange(DIGITS, dtype=_F32)
-    total = jnp.tensordot(weights, prod, axes=1)
+    total = jnp.tensordot(digit_weights(DIGITS), prod, axes=1)
     return scale.reshape((r,) + (1,) * (total.ndim - 1)) * total
 
 

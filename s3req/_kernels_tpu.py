@@ -51,8 +51,9 @@ floats): XLA computes both operands inside the contraction. Those of `E` are tak
 gradient itself (`folded_segment_sums`): as an operand, `E` (or `G'`) is a float32 `(n, d)`
 array that XLA writes to memory, where `G` is already there (bfloat16, half the bytes) and
 only its row chunks (`FOLD_CHUNK`) are copied. `Xq_e^T eps_e` is an int8 ragged contraction
-of `Xq` with `EPS_DIGITS` signed base-128 int8 digits of `eps` (`int8_digits`), exact in
-int32, the digits' remainder below float32 precision.
+of `Xq` with `EPS_DIGITS` signed base-128 int8 digits of `eps` (`_gemms.int8_digits`, as
+the CPU kernel's products with codes), exact in int32, the digits' remainder below float32
+precision.
 
 The two dX terms of two-way EC, `eps * (Wq_e 1_D)` and `(a - m)_(b, e) Wq_e^T` of every row,
 are one float32 ragged product (`structured_dx`) of the rows `[eps, one-hot of the example]`
@@ -130,7 +131,9 @@ from jaxtyping import Array, Float, Int, Int8, Shaped
 from ._gemms import (
     check_sum_terms,
     chunk_group_sizes,
+    digit_weights,
     HIGHEST,
+    int8_digits,
     ragged,
     ragged_row_chunks,
     ragged_token_contraction,
@@ -225,34 +228,19 @@ def folded_segment_sums(
 
 
 EPS_DIGITS = 4
-"""Signed base-128 digits of the token means in `int8_digits`."""
-
-
-def int8_digits(v: Float[Array, " n"]) -> tuple[Int8[Array, "n k"], Float[Array, " k"]]:
-    """`v` as `EPS_DIGITS` int8 digits per element and their float32 weights,
-    `v ~ digits @ weights`: `v / max|v|` is rounded to a multiple of `2**-24` and written in
-    signed base 128 (digits in [-64, 64]), so the error is at most `2**-24 |v| + 2**-25
-    max|v|` (float32 precision), and a contraction of int8 codes with the digits is exact in
-    int32 (`ragged_token_contraction`)."""
-    amax = jnp.max(jnp.abs(v), initial=0.0)
-    unit = jnp.where(amax > 0, amax, 1.0) * 2.0**-24
-    rest = jnp.round(v / unit)
-    digits = []
-    for _ in range(EPS_DIGITS):
-        d = rest - 128.0 * jnp.round(rest / 128.0)
-        digits.append(d)
-        rest = (rest - d) / 128.0
-    weights = unit * 128.0 ** jnp.arange(EPS_DIGITS, dtype=_F32)
-    return jnp.stack(digits, axis=1).astype(jnp.int8), weights
+"""Signed base-128 int8 digits of the token means in `token_dw` (`int8_digits`: within
+`2**-24 |eps| + 2**-28 max|eps|`)."""
 
 
 def token_dw(
     xq: Int8[Array, "n h"], eps: Float[Array, " n"], group_sizes: Int[Array, " e"]
 ) -> Float[Array, "e h 1"]:
     """`Xq_e^T eps_e` of every expert: the int8 ragged contraction of the rows of `Xq` with
-    the digits of `eps` (exact int32 sums), weighted by the digits' weights."""
-    digits, weights = int8_digits(eps)
-    parts = ragged_token_contraction(xq, digits, group_sizes)  # (E, h, digits)
+    the digits of `eps` (`int8_digits`, `eps` as one row; exact int32 sums), weighted by the
+    digits' weights."""
+    digits, scale = int8_digits(eps[None], EPS_DIGITS)  # (digits, 1, n)
+    parts = ragged_token_contraction(xq, digits[:, 0].T, group_sizes)  # (E, h, digits)
+    weights = scale * digit_weights(EPS_DIGITS)
     return jnp.sum(parts * weights[None, None, :], axis=2, keepdims=True)
 
 
