@@ -41,6 +41,8 @@ def _check(x, w, group_sizes, policy, key, row_id, example_id, num_examples) -> 
             f"{name}: x has {x.shape[1]} input features but w expects {w.shape[1]} "
             f"(x: {x.shape}, w: {w.shape})."
         )
+    if any(n == 0 for n in x.shape + w.shape):
+        raise ValueError(f"{name}: empty operand (x: {x.shape}, w: {w.shape}).")
     if group_sizes.shape != (w.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(
             f"{name}: `group_sizes` must be integer with shape (n_experts,) = ({w.shape[0]},), "
@@ -123,7 +125,8 @@ def qragged_dot(
     `(n, d_out)` in the dtype of `x`.
 
     `group_sizes` that do not sum to `n` or are negative, and non-finite `x`, `w` or upstream
-    gradients raise an error (under `jax.jit`, an `equinox` runtime error).
+    gradients raise an error (under `jax.jit`, an `equinox` runtime error); operands with a
+    zero dimension (no rows, features or experts) a `ValueError`.
     """
     _check(x, w, group_sizes, policy, key, row_id, example_id, num_examples)
     n = x.shape[0]

@@ -324,6 +324,14 @@ def test_bad_input(getkey):
         qragged_dot(x, w, gs[:-1], policy=p, key=getkey(), **ids)
     with pytest.raises((ValueError, TypeError)):
         qragged_dot(x[:, :-1], w, gs, policy=p, key=getkey(), **ids)
+    empty = {k: v[:0] if k != "num_examples" else v for k, v in ids.items()}
+    for pol in (p, None):  # no rows (e.g. a shard without tokens), no features, no experts
+        with pytest.raises(ValueError, match="empty operand"):
+            qragged_dot(x[:0], w, jnp.zeros_like(gs), policy=pol, key=getkey(), **empty)
+        with pytest.raises(ValueError, match="empty operand"):
+            qragged_dot(x[:, :0], w[:, :0], gs, policy=pol, key=getkey(), **ids)
+        with pytest.raises(ValueError, match="empty operand"):
+            qragged_dot(x, w[:0], gs[:0], policy=pol, key=getkey(), **ids)
     with pytest.raises(ValueError, match="key"):
         qragged_dot(x, w, gs, policy=p, **ids)
     with pytest.raises(ValueError, match="row_id"):
