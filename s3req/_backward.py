@@ -213,8 +213,11 @@ class AbstractLayer(eqx.Module):
         """`token_dx(eps, rw) + segment_dx(v)`: both dX terms of every row."""
 
     @abc.abstractmethod
-    def token_dw(self, xq: Array, eps: Array) -> Array:
-        """`Xq^T eps` of every expert, broadcastable to the shape of dW."""
+    def xq_sums(self, xq: Array, eps: Array | None, segments: bool) -> tuple:
+        """The factors of the dW terms that read `Xq`, `(token, xsum)`: `Xq^T eps` of every
+        expert, broadcastable to the shape of dW (`None` without `eps`), and the sums of
+        `Xq` over the rows of every segment (`segment_sums`; `None` unless `segments`). A
+        kernel may compute both in one pass over `Xq`."""
 
     @abc.abstractmethod
     def channel_dw(self, xsum: Array, am: Array) -> Array:
@@ -222,7 +225,7 @@ class AbstractLayer(eqx.Module):
 
     @abc.abstractmethod
     def sum_first(self, token: Array | None, segments: tuple, codes: tuple) -> tuple:
-        """`(token, segments, codes)`: the factors of the dW terms (`token_dw`'s output, the
+        """`(token, segments, codes)`: the factors of the dW terms (`Xq^T eps` of `xq_sums`, the
         per-segment `(xsum, a - m)` of `channel_dw`) and the codes of the GEMMs, or, in the
         programs of a backend whose kernel does so, the same values with the factors summed
         over the chips before the GEMMs read the codes (see `_ErrorTerms.sum_factors_first`)."""
@@ -345,13 +348,16 @@ class Dense(AbstractLayer):
     def structured_dx(self, eps, rw, v):
         return self.token_dx(eps, rw) + v
 
-    def token_dw(self, xq, eps):
-        return _per_backend(
-            lambda xq, eps: _dot(eps, xq, ((0, 1), (0, 1)), precision=_HIGHEST)[:, None],
-            xq,
-            eps,
-            cpu=_kernels_cpu.token_dw,
-        )
+    def xq_sums(self, xq, eps, segments):
+        token = None
+        if eps is not None:
+            token = _per_backend(
+                lambda xq, eps: _dot(eps, xq, ((0, 1), (0, 1)), precision=_HIGHEST)[:, None],
+                xq,
+                eps,
+                cpu=_kernels_cpu.token_dw,
+            )
+        return token, self.segment_sums(xq) if segments else None
 
     def channel_dw(self, xsum, am):
         return _per_backend(
@@ -548,13 +554,21 @@ class Ragged(AbstractLayer):
             tpu=lambda eps, rw, v: _kernels_tpu.structured_dx(eps, rw, v, example, B, gs),
         )
 
-    def token_dw(self, xq, eps):
+    def xq_sums(self, xq, eps, segments):
         expert, E, gs = self._expert, self._experts, self.group_sizes
+        B, example = self.num_examples, self.example_id if segments else None
+
+        def reference(xq, eps):
+            token = None
+            if eps is not None:
+                token = _segment_sum(xq.astype(_F32) * eps[:, None], expert, E)[..., None]
+            return token, self.segment_sums(xq) if segments else None
+
         return _per_backend(
-            lambda xq, eps: _segment_sum(xq.astype(_F32) * eps[:, None], expert, E)[..., None],
+            reference,
             xq,
             eps,
-            tpu=lambda xq, eps: _kernels_tpu.token_dw(xq, eps, gs),
+            tpu=lambda xq, eps: _kernels_tpu.xq_sums(xq, eps, example, B, gs),
         )
 
     def channel_dw(self, xsum, am):
@@ -641,13 +655,17 @@ class _ErrorTerms(AbstractErrorTerms):
 
     def _factor(self, name: Literal["dw_token", "dw_channel"]):
         """`Xq^T eps` (`dw_token`) or the per-segment `(Xq sums, a - m)` (`dw_channel`) of
-        the dW codes' error."""
+        the dW codes' error; those of the asked terms are computed together
+        (`layer.xq_sums`)."""
         if name not in self._factors:
             eps, am = self._means("dw")
-            if name == "dw_token":
-                self._factors[name] = self.layer.token_dw(self.xq, eps)
-            else:
-                self._factors[name] = (self.layer.segment_sums(self.xq), am)
+            wanted = self.asked | {name}
+            token, channel = "dw_token" in wanted, "dw_channel" in wanted
+            t, xsum = self.layer.xq_sums(self.xq, eps if token else None, channel)
+            if token:
+                self._factors["dw_token"] = t
+            if channel:
+                self._factors["dw_channel"] = (xsum, am)
         return self._factors[name]
 
     @ft.cached_property

@@ -53,7 +53,10 @@ array that XLA writes to memory, where `G` is already there (bfloat16, half the 
 only its row chunks (`FOLD_CHUNK`) are copied. `Xq_e^T eps_e` is an int8 ragged contraction
 of `Xq` with `EPS_DIGITS` signed base-128 int8 digits of `eps` (`_gemms.int8_digits`, as
 the CPU kernel's products with codes), exact in int32, the digits' remainder below float32
-precision.
+precision; it and the segment sums of `Xq` are one contraction of the rows `[digits of eps,
+one-hot of the example]` with `Xq` (`xq_sums`): one pass over `Xq`, whose output keeps `h`
+as its minor axis (as `Xq^T` times the digits, an `(E, h, 4)` int32 output, its minor axis
+of 4 padded to 128 by the tiled layout, took 128 MiB at `h = 2048`).
 
 The two dX terms of two-way EC, `eps * (Wq_e 1_D)` and `(a - m)_(b, e) Wq_e^T` of every row,
 are one float32 ragged product (`structured_dx`) of the rows `[eps, one-hot of the example]`
@@ -110,8 +113,9 @@ of them, two-way EC's 1486.
 XLA:TPU computes a ragged contraction (contracting the rows) as a masked convolution over
 all experts, and besides the `(E, rows)` mask it uses it writes an `(E, rows, 1)` boolean
 one (only a scheduling dependency) that its tiled layout pads to `128 E rows` bytes: 2 GiB
-at 131072 rows and 128 experts. `segment_sums` therefore contracts at most `SEGMENT_CHUNK`
-rows at a time, as the dW GEMM does (`ragged_token_contraction`, `DW_CHUNK`): a chip of Table
+at 131072 rows and 128 experts. `segment_sums` and `xq_sums` therefore contract at most
+`SEGMENT_CHUNK` rows at a time, as the dW GEMM does (`_gemms.ragged_token_contraction`,
+`DW_CHUNK`): a chip of Table
 IV's Qwen3-30B-A3B step holds 262144 expert rows (its `s32[262144, 2048]` buffers), where
 one unchunked segment sum's mask would take 4 GiB.
 
@@ -136,7 +140,6 @@ from ._gemms import (
     int8_digits,
     ragged,
     ragged_row_chunks,
-    ragged_token_contraction,
 )
 
 
@@ -232,16 +235,37 @@ EPS_DIGITS = 4
 `2**-24 |eps| + 2**-28 max|eps|`)."""
 
 
-def token_dw(
-    xq: Int8[Array, "n h"], eps: Float[Array, " n"], group_sizes: Int[Array, " e"]
-) -> Float[Array, "e h 1"]:
-    """`Xq_e^T eps_e` of every expert: the int8 ragged contraction of the rows of `Xq` with
-    the digits of `eps` (`int8_digits`, `eps` as one row; exact int32 sums), weighted by the
-    digits' weights."""
-    digits, scale = int8_digits(eps[None], EPS_DIGITS)  # (digits, 1, n)
-    parts = ragged_token_contraction(xq, digits[:, 0].T, group_sizes)  # (E, h, digits)
-    weights = scale * digit_weights(EPS_DIGITS)
-    return jnp.sum(parts * weights[None, None, :], axis=2, keepdims=True)
+def xq_sums(
+    xq: Int8[Array, "n h"],
+    eps: Float[Array, " n"] | None,
+    example_id: Int[Array, " n"] | None,
+    num_examples: int,
+    group_sizes: Int[Array, " e"],
+) -> tuple[Float[Array, "e h 1"] | None, Float[Array, "segments h"] | None]:
+    """The factors of an expert GEMM's dW terms that read `Xq`, from one int8 ragged
+    contraction of the rows of `Xq` (`SEGMENT_CHUNK` at a time, exact int32 sums): `Xq_e^T
+    eps_e` of every expert (`None` without `eps`), with `EPS_DIGITS` digits of `eps`
+    (`int8_digits`, `eps` as one row) weighted by the digits' weights, and the sums of `Xq`
+    over every `(example, expert)` segment (`None` without `example_id`), with the one-hot
+    of the example. The rows of `Xq` are the contraction's right operand, so its output
+    `(E, digits + B, h)` keeps `h` as its minor axis."""
+    check_sum_terms(xq.shape[0])
+    columns, weights = [], None
+    if eps is not None:
+        digits, scale = int8_digits(eps[None], EPS_DIGITS)  # (digits, 1, n)
+        columns.append(digits[:, 0].T)
+        weights = scale * digit_weights(EPS_DIGITS)
+    if example_id is not None:
+        columns.append(_examples(example_id, num_examples, jnp.int8))
+    lhs = jnp.concatenate(columns, axis=1)
+    sums = ragged_row_chunks(lhs, xq, group_sizes, SEGMENT_CHUNK)  # (E, columns, h)
+    token = segments = None
+    if weights is not None:
+        token = jnp.sum(sums[:, :EPS_DIGITS] * weights[None, :, None], axis=1)[..., None]
+    if example_id is not None:
+        per_expert = sums[:, sums.shape[1] - num_examples :]  # (E, B, h)
+        segments = jnp.swapaxes(per_expert, 0, 1).reshape(-1, xq.shape[1])
+    return token, segments
 
 
 def token_dx(

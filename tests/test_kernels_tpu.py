@@ -321,6 +321,53 @@ def test_segment_sums_in_row_chunks(monkeypatch, dtype):
         assert np.all(np.abs(got - want) <= 2 * (k - 1) * 2.0**-24 * np.asarray(mag))
 
 
+@pytest.mark.parametrize("factors", ["both", "token", "segments"])
+def test_xq_sums_in_row_chunks(monkeypatch, factors):
+    """`xq_sums` with the rows cut into chunks of 500 (groups straddle the chunks, one
+    expert has no rows) at Qwen3-30B-A3B's routing on 4 x 64 tokens, `eps` spanning `2**-30` to
+    `2**30`. The segment sums of the codes equal `jax.ops.segment_sum`'s exactly; `Xq_e^T
+    eps_e` is within `sum |Xq| (2**-24 |eps| + 2**-28 max|eps|)` (the digits,
+    `int8_digits`) plus `11 2**-24` of `scale sum_j |S_j| 128**-j <= 64 (128 / 127) scale
+    sum |Xq| = 1.008 max|eps| sum |Xq|` (each digit sum `S_j` is exact in int32 and rounded
+    once to float32, weighted with one rounding, the four added with three) of the float64
+    sums of every expert."""
+    gs, example_id = _routed(6, 4, 64, 8, 128, EMPTY)
+    n, h, experts = example_id.shape[0], 24, 128
+    rng = np.random.default_rng(6)
+    xq = jnp.asarray(rng.integers(-127, 128, (n, h)), jnp.int8)
+    eps = rng.choice([-1.0, 1.0], n) * 2.0 ** rng.uniform(-30, 30, n)
+    eps = jnp.asarray(eps, jnp.float32)
+    monkeypatch.setattr(kernels_tpu, "SEGMENT_CHUNK", 500)
+    assert n > 500 and n % 500
+    with_eps = factors in ("both", "token")
+    with_segments = factors in ("both", "segments")
+    fn = lambda xq, eps: kernels_tpu.xq_sums(
+        xq, eps if with_eps else None, example_id if with_segments else None, 4, gs
+    )
+    token, segments = jax.jit(fn)(xq, eps)
+    expert = np.repeat(np.arange(experts), np.asarray(gs))
+    if with_segments:
+        segment = jnp.asarray(np.asarray(example_id) * experts + expert)
+        want = jax.ops.segment_sum(xq.astype(jnp.int32), segment, 4 * experts)
+        assert segments is not None and segments.dtype == jnp.float32
+        np.testing.assert_array_equal(segments, want.astype(jnp.float32))
+    else:
+        assert segments is None
+    if not with_eps:
+        assert token is None
+        return
+    assert token is not None and token.shape == (experts, h, 1)
+    x64, e64 = np.asarray(xq, np.float64), np.asarray(eps, np.float64)
+    want, mag, xabs = (np.zeros((experts, h)) for _ in range(3))
+    np.add.at(want, expert, x64 * e64[:, None])
+    np.add.at(mag, expert, np.abs(x64) * np.abs(e64)[:, None])
+    np.add.at(xabs, expert, np.abs(x64))
+    top = np.abs(e64).max()
+    bound = 2.0**-24 * mag + (2.0**-28 + 11 * 1.008 * 2.0**-24) * top * xabs
+    assert np.all(np.abs(np.asarray(token[..., 0], np.float64) - want) <= bound)
+    assert not np.any(np.asarray(token)[EMPTY])  # the expert with no rows
+
+
 def _routed(seed: int, examples: int, seq: int, top_k: int, experts: int, empty: int):
     """`(group_sizes, example_id)` of expert-sorted rows: every token of `examples x seq`
     routed to `top_k` distinct random experts, never `empty`."""
@@ -403,7 +450,7 @@ def test_token_dx_bitwise_at_qwen3_routing():
 
 @pytest.mark.parametrize("case", ["magnitudes", "zeros"])
 def test_int8_digits_error_bound(case):
-    """`int8_digits` of the token means as `token_dw` takes them, one row of `n = 131072`
+    """`int8_digits` of the token means as `xq_sums` takes them, one row of `n = 131072`
     (the rows per chip of the TPU benchmark) in `EPS_DIGITS` digits: digits in [-64, 64],
     and `scale * digits . digit_weights` (exact in float64) within `2**-24 |v| + 2**-28
     max|v|` of `v`, for values spanning 2**-120 to 2**40 with zeros among them, and for a

@@ -167,8 +167,9 @@ def test_moe_ragged_gemms_are_int8(getkey):
     eqns = [e for e in iter_eqns(jaxpr.jaxpr) if e.primitive.name == "ragged_dot_general"]
     # The TPU kernel's error-correction segment sums and token terms (traced beside the
     # reference) are thin ragged contractions over the rows (one operand of at most
-    # max(batch, EPS_DIGITS) columns): not GEMMs of the layer.
-    thin = max(tokens.shape[0], EPS_DIGITS)
+    # EPS_DIGITS + batch columns, `xq_sums`' `[digits of eps, one-hot]`): not GEMMs of the
+    # layer.
+    thin = EPS_DIGITS + tokens.shape[0]
     eqns = [e for e in eqns if min(v.aval.shape[-1] for v in e.invars[:2]) > thin]  # pyright: ignore
     assert len(eqns) == 9  # one MoE stack (scanned): 3 GEMMs x (forward, dX, dW)
     for e in eqns:
