@@ -100,15 +100,17 @@ temporaries / XLA's peak / the most bytes live at one instruction (`BufferPackin
 | reference | two-way | 7510 / 9703 / 6502 | 4749 / 7402 / 4201 |
 | these (`auto`) | S3R (= RTNE) | 2964 / 6066 / 2865 | 5638 / 5764 / 2563 |
 | these (`auto`) | dX-only | 3461 / 6083 / 2882 | 2872 / 6069 / 2868 |
-| these (`auto`) | two-way | 3532 / 6566 / 3365 | 6388 / 6618 / 3417 |
+| these (`auto`) | two-way | 3275 / 6375 / 3174 | 6383 / 6623 / 3422 |
 
 The chunks take the largest arrays out of every policy's peak (the `down` GEMM's forward
 holds its int32 result, the sum over `tp` and the gathered scales at once: -1648 MiB on
 S3R's peak) and the dX terms out of the error corrections' (dX-only needs +17 MiB over S3R
-on the `up` peak, where all rows' terms needed +1889; two-way +500, where they needed
+on the `up` peak, where all rows' terms needed +1889; two-way +309, where they needed
 +3669); where the live bytes drop, XLA's packing may still leave holes (`temporaries`
 counts a hole twice, the compile guide's packing section): S3R's `down` GEMM has 1537 MiB
-of them, two-way EC's 1486.
+of them, two-way EC's 1480. (`xq_sums` as one contraction took the `up` GEMM's two-way
+temporaries from 3532 to 3275 MiB and its peak from 6566 to 6375; Table IV's MoE steps,
+whose peak lies elsewhere, moved by +0.011 and -0.003 GiB.)
 
 XLA:TPU computes a ragged contraction (contracting the rows) as a masked convolution over
 all experts, and besides the `(E, rows)` mask it uses it writes an `(E, rows, 1)` boolean
