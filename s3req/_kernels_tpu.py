@@ -117,9 +117,8 @@ all experts, and besides the `(E, rows)` mask it uses it writes an `(E, rows, 1)
 one (only a scheduling dependency) that its tiled layout pads to `128 E rows` bytes: 2 GiB
 at 131072 rows and 128 experts. `segment_sums` and `xq_sums` therefore contract at most
 `SEGMENT_CHUNK` rows at a time, as the dW GEMM does (`_gemms.ragged_token_contraction`,
-`DW_CHUNK`): a chip of Table
-IV's Qwen3-30B-A3B step holds 262144 expert rows (its `s32[262144, 2048]` buffers), where
-one unchunked segment sum's mask would take 4 GiB.
+`DW_CHUNK`): a chip of Table IV's Qwen3-30B-A3B step holds 262144 expert rows (its
+`s32[262144, 2048]` buffers), where one unchunked segment sum's mask would take 4 GiB.
 
 On XLA:CPU the ragged contractions run masked over all experts, slower than the reference
 forms, so CPU runs the reference. The layers choose per backend (`_per_backend`);
@@ -250,7 +249,8 @@ def xq_sums(
     (`int8_digits`, `eps` as one row) weighted by the digits' weights, and the sums of `Xq`
     over every `(example, expert)` segment (`None` without `example_id`), with the one-hot
     of the example. The rows of `Xq` are the contraction's right operand, so its output
-    `(E, digits + B, h)` keeps `h` as its minor axis."""
+    `(E, digits + B, h)` keeps `h` as its minor axis. (The digits lie in [-64, 64]: a
+    chunk's int32 sums stay within `64 * 127 * 2**17 < 2**31`.)"""
     check_sum_terms(xq.shape[0])
     columns, weights = [], None
     if eps is not None:
