@@ -232,7 +232,7 @@ def folded_segment_sums(
 
 
 EPS_DIGITS = 4
-"""Signed base-128 int8 digits of the token means in `token_dw` (`int8_digits`: within
+"""Signed base-128 int8 digits of the token means in `xq_sums` (`int8_digits`: within
 `2**-24 |eps| + 2**-28 max|eps|`)."""
 
 
