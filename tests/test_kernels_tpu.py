@@ -368,6 +368,24 @@ def test_xq_sums_in_row_chunks(monkeypatch, factors):
     assert not np.any(np.asarray(token)[EMPTY])  # the expert with no rows
 
 
+def test_xq_sums_at_the_int32_bound():
+    """`xq_sums` on `SEGMENT_CHUNK + 2**16` rows of one expert (a full chunk, then a half
+    one), every code 127 and every `eps` 1 (its first digit 64, the largest): a chunk's int32
+    sums reach `64 * 127 * 2**17` (below `2**31`), and both factors come out exact: the token
+    term `127 n` (below `2**24`), the segment sums `127` times the rows of each example."""
+    n, h, examples = kernels_tpu.SEGMENT_CHUNK + 2**16, 8, 3
+    xq = jnp.full((n, h), 127, jnp.int8)
+    eps = jnp.ones((n,), jnp.float32)
+    example_id = jnp.asarray(np.arange(n) * examples // n, jnp.int32)
+    gs = jnp.asarray([n], jnp.int32)
+    fn = lambda xq, eps: kernels_tpu.xq_sums(xq, eps, example_id, examples, gs)
+    token, segments = jax.jit(fn)(xq, eps)
+    assert token is not None and segments is not None
+    np.testing.assert_array_equal(token, np.full((1, h, 1), 127.0 * n, np.float32))
+    rows = np.bincount(np.asarray(example_id), minlength=examples)
+    np.testing.assert_array_equal(segments, np.repeat(127.0 * rows, h).reshape(examples, h))
+
+
 def _routed(seed: int, examples: int, seq: int, top_k: int, experts: int, empty: int):
     """`(group_sizes, example_id)` of expert-sorted rows: every token of `examples x seq`
     routed to `top_k` distinct random experts, never `empty`."""
