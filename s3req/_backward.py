@@ -103,6 +103,12 @@ def _segment_sum(v: Array, segment: Array, segments: int) -> Array:
     return jax.ops.segment_sum(v, segment, segments).astype(_F32)
 
 
+def _rows_of_chunks(chunks: _T) -> _T:
+    """Values over the rows from the same values of every chunk of rows, stacked over the
+    chunks (`AbstractLayer.over_rows`)."""
+    return jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), chunks)
+
+
 # --- the two layer kinds --------------------------------------------------------------------
 
 
@@ -161,11 +167,22 @@ class AbstractLayer(eqx.Module):
         """`Q Wq^T` (float32)."""
 
     @abc.abstractmethod
-    def by_rows(self, fn: Callable[["AbstractLayer", Callable[[Array], Array]], Array]) -> Array:
-        """An output over the rows (`Y`, dX) from `fn(part, take)`, which computes it for the
-        rows of `part` (this layer restricted to some rows; `take` cuts those rows out of
-        an array over all rows): for all rows at once, or, in the programs of a backend
-        whose kernel does so, chunk by chunk into one array."""
+    def over_rows(
+        self,
+        fn: Callable[["AbstractLayer", Callable[[Array], Array]], _T],
+        combine: Callable[[_T], _T],
+    ) -> _T:
+        """`fn(part, take)`, which computes values of the rows of `part` (this layer
+        restricted to some rows; `take` cuts those rows out of an array over all rows): for
+        all rows at once (`part` this layer, `take` the identity), or, in the programs of a
+        backend whose kernel does so, for every chunk of rows, then `combine` of those
+        values, every leaf stacked over the chunks on a new leading axis (a pytree like
+        the one of all rows at once)."""
+
+    def by_rows(self, fn: Callable[["AbstractLayer", Callable[[Array], Array]], _T]) -> _T:
+        """Outputs over the rows (`Y`, dX, codes) from `fn(part, take)` (`over_rows`), for
+        all rows at once or chunk by chunk into one array."""
+        return self.over_rows(fn, _rows_of_chunks)
 
     @abc.abstractmethod
     def gemm_dw(self, xq: Array, q: Array) -> Array:
@@ -185,9 +202,9 @@ class AbstractLayer(eqx.Module):
         """Sums over the rows of every segment, `(segments, *rest)` (float32)."""
 
     @abc.abstractmethod
-    def segment_tokens(self, gp: Array) -> Array | int:
+    def segment_tokens(self, q: Array) -> Array | int:
         """The number of rows of every segment over all shards, broadcastable against
-        `(segments,)` (empty segments count 1); `gp` is this shard's gradient."""
+        `(segments,)` (empty segments count 1); `q` is this shard's codes of the gradient."""
 
     @abc.abstractmethod
     def weight_row_sums(self, wq: Array, q: Array) -> Array:
@@ -294,7 +311,7 @@ class Dense(AbstractLayer):
         q, wq = _per_backend(lambda q, wq: (q, wq), q, wq, cuda=cuda)
         return _dot(q, wq, ((2,), (1 - self._h_axis,))).astype(_F32)
 
-    def by_rows(self, fn):
+    def over_rows(self, fn, combine):
         return fn(self, lambda v: v)
 
     def gemm_dw(self, xq, q):
@@ -315,8 +332,8 @@ class Dense(AbstractLayer):
             lambda v: _sum(v, 1), v, cpu=lambda v: _kernels_cpu.sums(v, 1), tpu=tpu
         )
 
-    def segment_tokens(self, gp):
-        return gp.shape[1] * self.axes.size("seq")
+    def segment_tokens(self, q):
+        return q.shape[1] * self.axes.size("seq")
 
     def weight_row_sums(self, wq, q):
         d_axis = 1 - self._h_axis
@@ -476,7 +493,7 @@ class Ragged(AbstractLayer):
     def gemm_dx(self, q, wq):
         return self._gemm(q, wq, 2).astype(_F32)
 
-    def by_rows(self, fn):
+    def over_rows(self, fn, combine):
         def part(take, sizes):
             rows = dict(row_id=take(self.row_id), example_id=take(self.example_id))
             return fn(
@@ -488,7 +505,8 @@ class Ragged(AbstractLayer):
         whole = lambda: fn(self, lambda v: v)
         if _kernels_tpu.row_chunk(n) == n:  # one chunk: the same program on every backend
             return whole()
-        return _per_backend(whole, tpu=lambda: _kernels_tpu.row_chunks(part, n, self.group_sizes))
+        chunks = lambda: combine(_kernels_tpu.row_chunks(part, n, self.group_sizes))
+        return _per_backend(whole, tpu=chunks)
 
     def gemm_dw(self, xq, q):
         gs = self.group_sizes
@@ -516,7 +534,7 @@ class Ragged(AbstractLayer):
             tpu=lambda v: _kernels_tpu.segment_sums(v, example, B, gs),
         )
 
-    def segment_tokens(self, gp):
+    def segment_tokens(self, q):
         count = self.axes.psum(
             self.segment_sums(jnp.ones(self.row_id.shape, jnp.int8)), *self.segment_roles
         )
@@ -583,6 +601,41 @@ class Ragged(AbstractLayer):
         return token, segments, codes
 
 
+# --- the scale-folded gradient -------------------------------------------------------------
+
+
+class _Folded:
+    """The scale-folded gradient `G' = s_x G s_w` (float32) of one backward pass, formed from
+    the fold's inputs `(g, shift, sx, sw)` (`G` times the power of two `shift`).
+
+    `rows(part, take)` is `G'` of the rows of `part` (`AbstractLayer.over_rows`): the whole
+    array over all rows, or, for a chunk of rows, formed again from the chunk of the upstream
+    gradient. A layer that computes by chunks (the expert GEMMs on TPU) then never holds
+    `G'` (nor the scales `s_w` gathered for its rows, as large) over all rows: `max|G'|`,
+    the codes and the row sums of `E` each read it chunk by chunk."""
+
+    def __init__(self, layer: AbstractLayer, g: Array, shift: Array, sx: Array, sw: Array):
+        self.layer, self.inputs = layer, (g, shift, sx, sw)
+
+    @ft.cached_property
+    def whole(self) -> Array:
+        """`G'` over all rows."""
+        g, shift, sx, sw = self.inputs
+        return self.layer.fold(g.astype(_F32) * shift, sx, sw)
+
+    def rows(self, part: AbstractLayer, take: Callable[[Array], Array]) -> Array:
+        """`G'` of the rows of `part`."""
+        if part is self.layer:
+            return self.whole
+        g, shift, sx, sw = self.inputs
+        return part.fold(take(g).astype(_F32) * shift, take(sx), sw)
+
+    def absmax(self) -> Array:
+        """`max|G'|` over this shard's rows (see `finite_absmax`)."""
+        absmax = lambda part, take: finite_absmax(self.rows(part, take))
+        return self.layer.over_rows(absmax, lambda chunks: jnp.max(chunks, axis=0))
+
+
 # --- the error terms ------------------------------------------------------------------------
 
 
@@ -617,22 +670,21 @@ class _ErrorTerms(AbstractErrorTerms):
     the row sums `Wq 1_D` and the per-segment `(a - m) Wq^T`, taken over all rows; a view
     (`rows`) gives the dX terms of some rows, for a dX computed in chunks of rows.
 
-    `fold_inputs` are `(g, shift, sx, sw)` with `gp = layer.fold(g * shift, sx, sw)`;
-    `asked` the names of the terms the correction asks for (`asked_terms`).
+    `folded` is `G'` (`_Folded`); `asked` the names of the terms the correction asks for
+    (`asked_terms`).
     """
 
     def __init__(
         self,
         layer: AbstractLayer,
-        gp,
-        fold_inputs,
+        folded: _Folded,
         codes_dx,
         codes_dw,
         xq,
         wq,
         asked: frozenset[str],
     ):
-        self.layer, self.gp, self.fold_inputs, self.xq, self.wq = layer, gp, fold_inputs, xq, wq
+        self.layer, self.folded, self.xq, self.wq = layer, folded, xq, wq
         self.part, self.take = layer, lambda v: v  # the rows of the dX terms (`rows`)
         self.codes = {"dx": codes_dx, "dw": codes_dw}
         self.asked = asked
@@ -671,8 +723,9 @@ class _ErrorTerms(AbstractErrorTerms):
     @ft.cached_property
     def _gp_sums(self):
         ax, layer = self.layer.axes, self.layer
-        rows = ax.psum(layer.row_sums(self.gp), "d_out")
-        gp_segments = layer.folded_segment_sums(self.gp, *self.fold_inputs)
+        gp = self.folded.whole
+        rows = ax.psum(layer.row_sums(gp), "d_out")
+        gp_segments = layer.folded_segment_sums(gp, *self.folded.inputs)
         return rows, ax.psum(gp_segments, *layer.segment_roles)
 
     def _means(self, which: Literal["dx", "dw"]):
@@ -687,8 +740,8 @@ class _ErrorTerms(AbstractErrorTerms):
 
     def _statistics(self, q, step):
         ax, layer = self.layer.axes, self.layer
-        channels = self.gp.shape[-1] * ax.size("d_out")
-        tokens = layer.segment_tokens(self.gp)
+        channels = q.shape[-1] * ax.size("d_out")
+        tokens = layer.segment_tokens(q)
         errors, codes = self._error_sums(q, step), self._code_sums(q, step)
         rows, segments = layer.error_sums(errors, codes, bool(self.asked & _SEGMENT_TERMS))
         eps = rows / channels
@@ -706,8 +759,9 @@ class _ErrorTerms(AbstractErrorTerms):
         intermediate of the gradient's size to memory), so it computes them beside the
         quantizer, which reads `G'` anyway."""
         ax, layer = self.layer.axes, self.layer
-        e = step * q.astype(_F32) - self.gp
-        rows = ax.psum(_sum(e, -1), "d_out")
+        error = lambda part, take: step * take(q).astype(_F32) - self.folded.rows(part, take)
+        rows = ax.psum(layer.by_rows(lambda part, take: _sum(error(part, take), -1)), "d_out")
+        e = error(layer, lambda v: v)
         return rows, ax.psum(layer.segment_sums(e), *layer.segment_roles)
 
     def _code_sums(self, q, step):
@@ -922,9 +976,12 @@ below `2**-126`, less than `2**-8` of a step, which round to code 0 under round-
 and under 7-bit thresholds whether or not they are flushed."""
 
 
+_G_ROLES = ("batch", "seq", "d_out")
+
+
 def gradient_max(gp: Array, axes: ShardAxes) -> Array:
     """`max|G'|` over the whole logical tensor (`+inf` if `G'` holds a NaN or an Inf)."""
-    return axes.pmax(finite_absmax(gp), "batch", "seq", "d_out")
+    return axes.pmax(finite_absmax(gp), *_G_ROLES)
 
 
 def gradient_checks(amax: Array, name: str) -> tuple[Check, Check]:
@@ -969,6 +1026,23 @@ def quantize(
     )
 
 
+def _codes(policy: AbstractPolicy, layer: AbstractLayer, folded: _Folded, amax, key):
+    """`quantize` of `G'`, by rows (`AbstractLayer.by_rows`): a format rounds every row
+    with its own thresholds, `max|G'|` and the step alone shared by all rows, so codes
+    computed chunk by chunk are the codes of all rows at once."""
+    once = policy.topology.quantizes_once()
+
+    def codes_rows(part: AbstractLayer, take: Callable[[Array], Array]):
+        gp = folded.rows(part, take)
+        codes = quantize(policy, gp, amax, key, layout=part.layout(gp))
+        return codes[:1] if once else codes
+
+    # Every chunk's step is the same value, a function of `max|G'|`.
+    rows_and_step = lambda chunks: [(_rows_of_chunks(q), step[0]) for q, step in chunks]
+    codes = layer.over_rows(codes_rows, rows_and_step)
+    return (codes[0], codes[0]) if once else tuple(codes)
+
+
 @ft.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def first_order_only(name: str, arrays):
     """The identity on `arrays`, whose derivative raises (at trace time).
@@ -991,9 +1065,6 @@ def _first_order_only_jvp(name, primals, tangents):
     )
 
 
-_G_ROLES = ("batch", "seq", "d_out")
-
-
 def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g, dx_dtype):
     """dX (in `dx_dtype`, x's dtype) and dW (float32) of the quantized matmul for the upstream
     gradient `g`, and the checks of that gradient (`gradient_checks`), for the caller to
@@ -1006,18 +1077,17 @@ def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g, dx
     # is then a normal float, G' is the plain one times 2**(a+b+c) exactly.
     c = normalizing_shift(ax.pmax(jnp.max(jnp.abs(g), initial=0).astype(_F32), *_G_ROLES))
     # Fold both scales into the gradient (float32 even for bf16 G), one per-tensor step.
-    gp = layer.fold(g.astype(_F32) * pow2(c), sx, sw)
+    folded = _Folded(layer, g, pow2(c), sx, sw)
     # The gradient's checks guard dX and dW, not the codes: the quantizer and the GEMMs do
     # not wait for them (a NaN or a too small step only makes meaningless codes).
-    amax = gradient_max(gp, ax)
-    codes_dx, codes_dw = quantize(policy, gp, amax, key, layout=layer.layout(gp))
+    amax = ax.pmax(folded.absmax(), *_G_ROLES)
+    codes_dx, codes_dw = _codes(policy, layer, folded, amax, key)
     shapes = (
         jax.eval_shape(layer.gemm_dx, codes_dx[0], wq),
         jax.eval_shape(layer.gemm_dw, xq, codes_dw[0]),
     )
     asked = asked_terms(policy.correction, *shapes)
-    fold_inputs = (g, pow2(c), sx, sw)
-    terms = _ErrorTerms(layer, gp, fold_inputs, codes_dx, codes_dw, xq, wq, asked)
+    terms = _ErrorTerms(layer, folded, codes_dx, codes_dw, xq, wq, asked)
     codes_dx, codes_dw = terms.sum_factors_first(codes_dx, codes_dw)
     # The two GEMMs, one set of codes feeding both unless the topology quantizes twice, and
     # S3R-EC: the correction subtracts parts of the structured error's image. The GEMM

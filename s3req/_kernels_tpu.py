@@ -127,6 +127,7 @@ forms, so CPU runs the reference. The layers choose per backend (`_per_backend`)
 Every function takes and returns local (per-shard) values: the engine adds the shard sums.
 """
 
+import typing
 from collections.abc import Callable
 
 import jax
@@ -354,19 +355,19 @@ def row_chunk(n: int) -> int:
 
 
 def row_chunks(
-    fn: Callable[[Callable[[Array], Array], Array], Array],
+    fn: Callable[[Callable[[Array], Array], Array], typing.Any],
     n: int,
     group_sizes: Int[Array, " e"],
-) -> Array:
-    """`fn(take, sizes)`, the output rows of an expert GEMM computed from `take` (which cuts
-    those rows out of an array over all `n` rows) and their group sizes `sizes`, for every
-    chunk of `c = row_chunk(n)` rows, written in place into one `(n, ...)` array
-    (`jax.lax.map`; with one chunk, `c = n`, a loop of one step)."""
+) -> typing.Any:
+    """`fn(take, sizes)`, values of some rows of an expert GEMM computed from `take` (which
+    cuts those rows out of an array over all `n` rows) and their group sizes `sizes`, for
+    every chunk of `c = row_chunk(n)` rows, every leaf stacked over the chunks on a new
+    leading axis (`jax.lax.map`: outputs over the rows are written in place into one array;
+    with one chunk, `c = n`, a loop of one step)."""
     c = row_chunk(n)
 
     def chunk(lo):
         take = lambda v: jax.lax.dynamic_slice_in_dim(v, lo, c)
         return fn(take, chunk_group_sizes(group_sizes, lo, lo + c))
 
-    out = jax.lax.map(chunk, jnp.arange(0, n, c, dtype=_I32))
-    return out.reshape(n, *out.shape[2:])
+    return jax.lax.map(chunk, jnp.arange(0, n, c, dtype=_I32))

@@ -61,7 +61,17 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import s3req._kernels_tpu as kernels_tpu
-from policies import DwOnlyEC, DxOnlyEC, NoEC, Phi2D, Policy, TwoWayEC
+from policies import (
+    DwOnlyEC,
+    DxOnlyEC,
+    FP8_E5M2,
+    Independent,
+    NoEC,
+    Phi2D,
+    PhiBcast,
+    Policy,
+    TwoWayEC,
+)
 from s3req import qdot, ShardAxes
 from s3req._backward import asked_terms
 from s3req._gemms import digit_weights, int8_digits
@@ -192,31 +202,45 @@ def test_row_chunk():
     assert kernels_tpu.row_chunk(8 * c) == c  # Table IV's 262144 rows per shard
 
 
-def _assert_same_rows(u, v, which: str, msg: str):
+def _assert_same_rows(u, v, which: str, msg: str, policy=None):
     """A GEMM's output computed in chunks of rows (`v`) against one chunk (`u`): the same
     arithmetic row by row, so equal bit for bit, except that inside the loop of chunks
     XLA:CPU computes dX's division by `s_x` as a product with `1 / s_x` (two roundings, the
     quotient one): float32 within `2**-22 |u|`, and a bfloat16 result within one unit of
-    its rounding, `2**-7 |u|`."""
-    if which != "dX":
-        np.testing.assert_array_equal(u, v, err_msg=msg)
-        return
-    bound = (2.0**-7 if u.dtype == jnp.bfloat16 else 2.0**-22) * np.abs(np.asarray(u, np.float64))
+    its rounding, `2**-7 |u|`. And with an error correction (`policy`): inside the loop
+    XLA:CPU computes `E = Delta Q - G'` for its row sums as one fused multiply-add (one
+    rounding fewer), so the corrected dX and dW agree as `_assert_agree`'s do (the
+    statistics within a few roundings of the sums of `|E|`)."""
+    if which == "y" or policy is None or isinstance(policy.correction, NoEC):
+        if which != "dX":
+            np.testing.assert_array_equal(u, v, err_msg=msg)
+            return
+        rel = 2.0**-7 if u.dtype == jnp.bfloat16 else 2.0**-22
+        bound = rel * np.abs(np.asarray(u, np.float64))
+    else:
+        unit = 2.0**-7 if u.dtype == jnp.bfloat16 else 2.0**-22
+        a = np.abs(np.asarray(u, np.float64))
+        bound = 2.0**-16 * a.max() + unit * a
     diff = np.abs(np.asarray(u, np.float64) - np.asarray(v, np.float64))
     assert np.all(diff <= bound), (msg, diff.max())
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["jit", "shard_map-d_out"])
 def test_expert_gemms_in_row_chunks(monkeypatch, getkey, sharded):
-    """The TPU kernel's expert GEMMs computing `Y`, and dX with its correction, in chunks of
-    8 rows (groups straddle the chunks, one expert has no rows; sharded: inside `shard_map`
-    with the features split over 2 shards of `d_out`, the sum over them taken per chunk)
-    against one chunk (`_assert_same_rows`: every row's GEMM, terms and sum are the same
-    arithmetic), and one chunk against the reference as
-    `test_ragged_tpu_kernel_agrees_with_reference`, with every correction."""
+    """The TPU kernel's expert GEMMs computing `Y`, and in the backward `max|G'|`, the codes,
+    the row sums of `E` and dX with its correction, in chunks of 8 rows (groups straddle the
+    chunks, one expert has no rows; sharded: inside `shard_map` with the features split
+    over 2 shards of `d_out`, the sum over them taken per chunk) against one chunk
+    (`_assert_same_rows`: every row's GEMM, codes, terms and sum are the same arithmetic),
+    and one chunk against the reference as `test_ragged_tpu_kernel_agrees_with_reference`,
+    with every correction, and for codes per chunk with thresholds per element (quantized
+    twice) and float codes."""
     x, w, gs, g, row_id, example_id = _problem(4)
     n, key = x.shape[0], getkey()
-    policies = [Policy(Phi2D(), c) for c in ALL_CORRECTIONS]
+    policies = [Policy(Phi2D(), c) for c in ALL_CORRECTIONS] + [
+        Policy(Independent(), NoEC()),  # quantizes twice, a threshold per element
+        Policy(PhiBcast(), NoEC(), fmt=FP8_E5M2),  # float codes, a per-tensor scale
+    ]
     mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
     axes = ShardAxes(d_out="tp") if sharded else None
     w_spec, g_spec, r = P(None, None, "tp"), P(None, "tp"), P()
@@ -244,7 +268,7 @@ def test_expert_gemms_in_row_chunks(monkeypatch, getkey, sharded):
     assert kernels_tpu.row_chunk(n) == 8 and n > 8
     for policy, a, b, c in zip(policies, whole, chunked, ref):
         for which, u, v in zip(("y", "dX", "dW"), a, b):
-            _assert_same_rows(u, v, which, f"{policy_id(policy)} {which}")
+            _assert_same_rows(u, v, which, f"{policy_id(policy)} {which}", policy)
         _assert_agree(policy, c, a)
 
 
@@ -291,7 +315,7 @@ def test_expert_gemms_in_row_chunks_at_scale(monkeypatch, getkey, policy, sharde
     assert kernels_tpu.row_chunk(n) == 1024 and np.any(np.cumsum(np.asarray(gs)) % 1024)
     for which, u, v in zip(("y", "dX", "dW"), whole, chunked):
         assert u.dtype == v.dtype and u.dtype == (jnp.float32 if which == "dW" else jnp.bfloat16)
-        _assert_same_rows(u, v, which, which)
+        _assert_same_rows(u, v, which, which, policy)
 
 
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float32])
