@@ -616,12 +616,10 @@ class _Folded:
 
     def __init__(self, layer: AbstractLayer, g: Array, shift: Array, sx: Array, sw: Array):
         self.layer, self.inputs = layer, (g, shift, sx, sw)
-
-    @ft.cached_property
-    def whole(self) -> Array:
+        # Formed here, outside the branches `over_rows` may trace (a program that reads `G'`
+        # only chunk by chunk does not compute it).
+        self.whole = layer.fold(g.astype(_F32) * shift, sx, sw)
         """`G'` over all rows."""
-        g, shift, sx, sw = self.inputs
-        return self.layer.fold(g.astype(_F32) * shift, sx, sw)
 
     def rows(self, part: AbstractLayer, take: Callable[[Array], Array]) -> Array:
         """`G'` of the rows of `part`."""
@@ -1038,7 +1036,7 @@ def _codes(policy: AbstractPolicy, layer: AbstractLayer, folded: _Folded, amax, 
         return codes[:1] if once else codes
 
     # Every chunk's step is the same value, a function of `max|G'|`.
-    rows_and_step = lambda chunks: [(_rows_of_chunks(q), step[0]) for q, step in chunks]
+    rows_and_step = lambda chunks: tuple((_rows_of_chunks(q), step[0]) for q, step in chunks)
     codes = layer.over_rows(codes_rows, rows_and_step)
     return (codes[0], codes[0]) if once else tuple(codes)
 

@@ -270,6 +270,11 @@ def test_expert_gemms_in_row_chunks(monkeypatch, getkey, sharded):
         for which, u, v in zip(("y", "dX", "dW"), a, b):
             _assert_same_rows(u, v, which, f"{policy_id(policy)} {which}", policy)
         _assert_agree(policy, c, a)
+    # Chosen per backend (`auto`), the chunked forms are traced beside this backend's
+    # (`jax.lax.platform_dependent` needs one output structure), which this program runs.
+    auto_chunked = run("auto", 8)
+    auto_whole = run("auto", kernels_tpu.ROW_CHUNK)
+    jax.tree.map(np.testing.assert_array_equal, auto_whole, auto_chunked)
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["jit", "shard_map-d_out"])
