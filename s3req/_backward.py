@@ -180,7 +180,8 @@ class AbstractLayer(eqx.Module):
         the one of all rows at once)."""
 
     def by_rows(self, fn: Callable[["AbstractLayer", Callable[[Array], Array]], _T]) -> _T:
-        """Outputs over the rows (`Y`, dX, codes) from `fn(part, take)` (`over_rows`), for
+        """Outputs over the rows (`Y`, dX, the row sums of `E`) from `fn(part, take)`
+        (`over_rows`), for
         all rows at once or chunk by chunk into one array."""
         return self.over_rows(fn, _rows_of_chunks)
 
@@ -401,8 +402,9 @@ class Ragged(AbstractLayer):
     The segment sums and `Xq_e^T eps_e` are `jax.ops.segment_sum`s here and the dX terms of
     the error correction gathers of per-expert and per-segment values; on TPU the sums run as
     ragged contractions (those of `E` as the sums of the codes minus those of `G'`, read from
-    the upstream gradient) and both dX terms as one ragged product, and `Y` and dX (with its
-    correction) are computed in chunks of rows (`by_rows`; `_kernels_tpu.py`). On CPU
+    the upstream gradient) and both dX terms as one ragged product, and `Y`, dX (with its
+    correction) and the backward's passes over `G'` (`max|G'|`, the codes, the row sums of
+    `E`; `_Folded`) are computed in chunks of rows (`over_rows`; `_kernels_tpu.py`). On CPU
     the three GEMMs read the codes as plain GEMM operands (`_kernels_cpu.ragged_gemm`,
     `ragged_rows`): XLA:CPU has no grouped GEMM; and a correction that uses no segment sum
     (dX-only) takes the row sums of `E` from the codes and `G'` apart, as dots
@@ -755,7 +757,9 @@ class _ErrorTerms(AbstractErrorTerms):
         inside the kernel that produces the upstream gradient (there they compete with
         `max|G'|` for that kernel's outputs, and XLA TPU splits it and writes an
         intermediate of the gradient's size to memory), so it computes them beside the
-        quantizer, which reads `G'` anyway."""
+        quantizer, which reads `G'` anyway. The row sums are taken by rows (`by_rows`: an
+        expert GEMM's on TPU chunk by chunk, `G'` formed again from the chunk of `G`,
+        `_Folded`)."""
         ax, layer = self.layer.axes, self.layer
         error = lambda part, take: step * take(q).astype(_F32) - self.folded.rows(part, take)
         rows = ax.psum(layer.by_rows(lambda part, take: _sum(error(part, take), -1)), "d_out")
@@ -1025,7 +1029,7 @@ def quantize(
 
 
 def _codes(policy: AbstractPolicy, layer: AbstractLayer, folded: _Folded, amax, key):
-    """`quantize` of `G'`, by rows (`AbstractLayer.by_rows`): a format rounds every row
+    """`quantize` of `G'`, by rows (`AbstractLayer.over_rows`): a format rounds every row
     with its own thresholds, `max|G'|` and the step alone shared by all rows, so codes
     computed chunk by chunk are the codes of all rows at once."""
     once = policy.topology.quantizes_once()

@@ -47,6 +47,10 @@ class AbstractGradFormat(eqx.Module):
     ) -> tuple[Shaped[Array, "*rows d"], Float[Array, ""]]:
         """Round `G'` with the given thresholds.
 
+        The codes of a row must depend only on that row of `gp`, `amax` and the row's
+        thresholds, and the step only on `amax`: the engine may call this for chunks of
+        rows (an expert GEMM's backward on TPU) and join the codes.
+
         **Arguments:**
 
         - `gp`: `G'` (float32): the rows of the gradient this computation holds, channels last.

@@ -47,7 +47,8 @@ class AbstractTopology(eqx.Module):
           stochastic.
         - `layout`: the part of `G'` this computation holds: a [`s3req.Block`][] of the dense
           `(batch, seq, d_out)` tensor, or the expert-sorted `(n, d)` rows of a
-          [`s3req.Rows`][].
+          [`s3req.Rows`][]. The engine may ask for chunks of an expert GEMM's rows (on TPU):
+          a row's thresholds must depend only on its ids and channels.
         - `product`: the GEMM the codes feed. When `quantizes_once()` is true the engine calls
           this once with `"dx"` and uses the codes for both GEMMs; otherwise once per product,
           with two independent keys.

@@ -74,10 +74,14 @@ result, its float32 rescaling and, where the features are split over `tp`, their
 the shards as arrays of the output's size (at Table IV's 262144 rows per shard and a width
 of 2048: 2 GiB each); it runs the gather of every row's weight scales `s_w[expert]` in the
 rescaling of `Y` as its own kernel, writing one more; and the dX terms of the error
-correction are one more, alive beside the partial dX until the subtraction. So an expert
-GEMM computes `Y`, and dX with its correction, in chunks of at most `ROW_CHUNK` rows
-(`row_chunks`, a `jax.lax.map` whose chunks XLA writes in place into one output array; the
-engine's `AbstractLayer.by_rows`): per chunk the GEMM over the chunk's group sizes, the
+correction are one more, alive beside the partial dX until the subtraction. The backward's
+scale-folded gradient `G' = s_x G s_w` is a float32 array of that size too, and the gather
+of every row's `s_w[expert]` that forms it another. So an expert GEMM computes `Y`, dX
+with its correction, and in the backward the passes over `G'` (`max|G'|`, the codes, the
+row sums of `E`; each forms `G'` again from the chunk of `G`, the engine's `_Folded`) in
+chunks of at most `ROW_CHUNK` rows (`row_chunks`, a `jax.lax.map` whose chunks XLA writes
+in place into one output array; the engine's `AbstractLayer.over_rows` and `by_rows`):
+per chunk the GEMM over the chunk's group sizes, the
 rescaling or the correction, the sum over the `tp` shards, and the cast to x's dtype (the
 engine's `backward` divides dX by `s_x` and casts it by rows, so the loop writes bfloat16
 for bfloat16 activations: 1 GiB at 262144 x 2048 rather than float32's 2). Each chunk reads every
@@ -98,19 +102,21 @@ temporaries / XLA's peak / the most bytes live at one instruction (`BufferPackin
 | reference | S3R | 3444 / 6034 / 2833 | 4408 / 7412 / 4211 |
 | reference | dX-only | 5115 / 7923 / 4722 | 4200 / 7398 / 4197 |
 | reference | two-way | 7510 / 9703 / 6502 | 4749 / 7402 / 4201 |
-| these (`auto`) | S3R (= RTNE) | 2964 / 6066 / 2865 | 5638 / 5764 / 2563 |
-| these (`auto`) | dX-only | 3461 / 6083 / 2882 | 2872 / 6069 / 2868 |
-| these (`auto`) | two-way | 3275 / 6375 / 3174 | 6383 / 6623 / 3422 |
+| these (`auto`) | S3R (= RTNE) | 2916 / 6018 / 2817 | 2230 / 5364 / 2163 |
+| these (`auto`) | dX-only | 2916 / 6018 / 2817 | 2502 / 5508 / 2307 |
+| these (`auto`) | two-way | 3273 / 6375 / 3174 | 3919 / 6031 / 2830 |
 
 The chunks take the largest arrays out of every policy's peak (the `down` GEMM's forward
-holds its int32 result, the sum over `tp` and the gathered scales at once: -1648 MiB on
-S3R's peak) and the dX terms out of the error corrections' (dX-only needs +17 MiB over S3R
-on the `up` peak, where all rows' terms needed +1889; two-way +309, where they needed
-+3669); where the live bytes drop, XLA's packing may still leave holes (`temporaries`
-counts a hole twice, the compile guide's packing section): S3R's `down` GEMM has 1537 MiB
-of them, two-way EC's 1480. (`xq_sums` as one contraction took the `up` GEMM's two-way
-temporaries from 3532 to 3275 MiB and its peak from 6566 to 6375; Table IV's MoE steps,
-whose peak lies elsewhere, moved by +0.011 and -0.003 GiB.)
+holds its int32 result, the sum over `tp` and the gathered scales at once, its backward
+`G'` and the gathered scales: -2048 MiB on S3R's peak) and the dX terms out of the error
+corrections' (dX-only needs nothing over S3R on the `up` peak, where all rows' terms needed
++1889; two-way +357, where they needed +3669); where the live bytes drop, XLA's packing may
+still leave holes (`temporaries` counts a hole twice, the compile guide's packing section):
+S3R's `down` GEMM has 34 MiB of them, two-way EC's 545. (Forming `G'` chunk by chunk in
+the backward took S3R's `down` GEMM from 5638 MiB of temporaries and a peak of 5764 to
+2230 and 5364, two-way EC's from 6383 and 6623 to 3919 and 6031, and dX-only's `up` GEMM
+from 3461 and 6083 to S3R's; `xq_sums` as one contraction took the `up` GEMM's two-way
+temporaries from 3532 to 3275 MiB and its peak from 6566 to 6375.)
 
 XLA:TPU computes a ragged contraction (contracting the rows) as a masked convolution over
 all experts, and besides the `(E, rows)` mask it uses it writes an `(E, rows, 1)` boolean
