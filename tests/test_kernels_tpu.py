@@ -278,13 +278,19 @@ def test_expert_gemms_in_row_chunks(monkeypatch, getkey, sharded):
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["jit", "shard_map-d_out"])
-@pytest.mark.parametrize("policy", [Policy(Phi2D(), c) for c in ALL_CORRECTIONS], ids=policy_id)
+@pytest.mark.parametrize(
+    "policy",
+    # Independent: quantized twice, a threshold per element, per chunk of rows.
+    [Policy(Phi2D(), c) for c in ALL_CORRECTIONS] + [Policy(Independent(), TwoWayEC())],
+    ids=policy_id,
+)
 def test_expert_gemms_in_row_chunks_at_scale(monkeypatch, getkey, policy, sharded):
     """The chunked expert GEMMs at a realistic shape: 4 examples of 512 tokens routed top-2
     over 8 experts (4096 rows, `(4096, 256) @ (8, 256, 128)`), bfloat16 activations and
     gradient, in chunks of 1024 rows (groups straddle the chunks) against one chunk:
     `Y`, dX (divided by `s_x` and cast to bfloat16 chunk by chunk) and dW as
-    `_assert_same_rows`; sharded: inside `shard_map` with the features split over 2 shards
+    `_assert_same_rows`, with every correction and with Independent two-way (the codes
+    quantized twice, a threshold per element, chunk by chunk); sharded: inside `shard_map` with the features split over 2 shards
     of `d_out` (the dX sum over them taken per chunk, before the division and the cast)."""
     examples, seq, top_k, experts, h, d = 4, 512, 2, 8, 256, 128
     rng = np.random.default_rng(7)
