@@ -290,8 +290,9 @@ def test_expert_gemms_in_row_chunks_at_scale(monkeypatch, getkey, policy, sharde
     gradient, in chunks of 1024 rows (groups straddle the chunks) against one chunk:
     `Y`, dX (divided by `s_x` and cast to bfloat16 chunk by chunk) and dW as
     `_assert_same_rows`, with every correction and with Independent two-way (the codes
-    quantized twice, a threshold per element, chunk by chunk); sharded: inside `shard_map` with the features split over 2 shards
-    of `d_out` (the dX sum over them taken per chunk, before the division and the cast)."""
+    quantized twice, a threshold per element, chunk by chunk); sharded: inside `shard_map`
+    with the features split over 2 shards of `d_out` (the dX sum over them taken per chunk,
+    before the division and the cast)."""
     examples, seq, top_k, experts, h, d = 4, 512, 2, 8, 256, 128
     rng = np.random.default_rng(7)
     flat = np.stack([rng.permutation(experts)[:top_k] for _ in range(examples * seq)]).ravel()
