@@ -215,6 +215,77 @@ def _time(
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
+GEMM_SHAPE = (4096, 1024, 4096)
+"""`(M, K, N)` of the GEMMs `cpu_gemms` times: the first dense shape's forward GEMM."""
+CPU_FLAGS = ("amx_int8", "amx_bf16", "avx512_vnni", "avx_vnni", "avx512_bf16")
+"""The x86 features (of `/proc/cpuinfo`) that give a CPU int8 or bf16 matrix instructions."""
+
+
+def cpu_gemms(repeats: int = 7) -> dict:
+    """The CPU this process runs on and how fast XLA's GEMMs are on it, timed round-robin
+    here at `GEMM_SHAPE`: `{"cpu", "flags", "shape", "gops"}`, `gops` in 10**9 operations
+    (2 per multiply-add) per second of `int8` (int8 x int8, int32 sums), `bf16_f32` (bf16 x
+    bf16, float32 result) and `bf16` (bf16 x bf16 with a bf16 result: `jnp.matmul` of bf16
+    arrays, the BF16 policy's GEMM). Whether an int8 GEMM beats a bf16 one depends on the
+    CPU (AMX or VNNI int8 instructions) and on XLA's kernels for it."""
+    M, K, N = GEMM_SHAPE
+    dot = lambda out: jax.jit(lambda a, b: jax.lax.dot(a, b, preferred_element_type=out))
+    fns = {"int8": dot(jnp.int32), "bf16_f32": dot(jnp.float32), "bf16": dot(jnp.bfloat16)}
+    ka, kb = jr.split(jr.key(0))
+    ints = lambda k, shape: jr.randint(k, shape, -127, 128, jnp.int32).astype(jnp.int8)
+    args = {
+        "int8": (ints(ka, (M, K)), ints(kb, (K, N))),
+        "bf16_f32": (jr.normal(ka, (M, K), jnp.bfloat16), jr.normal(kb, (K, N), jnp.bfloat16)),
+    }
+    args["bf16"] = args["bf16_f32"]
+    seconds = _time(fns, args, repeats)
+    cpu, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == "model name":
+                cpu = value.strip()
+            elif name.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "flags": [f for f in CPU_FLAGS if f in flags],
+        "shape": [M, K, N],
+        "gops": {name: 2 * M * K * N / t / 1e9 for name, t in seconds.items()},
+    }
+
+
+def gemm_text(gemms: dict | None) -> str:
+    """The sentences a CPU results page says of the GEMMs on its machine (`cpu_gemms`):
+    their speeds, and so what its speedups over BF16 measure."""
+    if gemms is None:
+        return "XLA's GEMM speeds on this CPU were not recorded."
+    g = gemms["gops"]
+    flags = ", ".join(gemms["flags"]) or "no AMX, VNNI or AVX512-BF16"
+    M, K, N = gemms["shape"]
+    text = (
+        f"XLA's GEMMs on this CPU ({gemms['cpu']}: {flags}), timed in the same process at "
+        f"{M} x {K} x {N}: int8 with int32 sums {g['int8']:.0f} GOP/s, bf16 with a float32 "
+        f"result {g['bf16_f32']:.0f}, bf16 with a bf16 result (`jnp.matmul` of bf16 arrays, "
+        f"the BF16 policy's GEMM) {g['bf16']:.0f}. "
+    )
+    fastest = max(g["bf16_f32"], g["bf16"])
+    if g["int8"] >= 1.2 * fastest:
+        return text + (
+            f"Here the int8 GEMM is {g['int8'] / fastest:.1f}x the fastest bf16 one, so a "
+            "speedup over BF16 holds a GEMM speedup (of this CPU's size, not a TPU's) as well "
+            "as the vector work; the ratios between INT8 policies measure the rounding, "
+            "threshold and correction work."
+        )
+    return text + (
+        "Here the int8 GEMM is not faster than a bf16 one, so the speedups over BF16 do not "
+        "transfer to a TPU; the ratios between INT8 policies measure the rounding, threshold "
+        "and correction work."
+    )
+
+
 def temp_bytes(f, *args) -> int:
     """XLA's compile-time estimate of the temporaries of one call of `jax.jit(f)(*args)`."""
     stats = jax.jit(f).lower(*args).compile().memory_analysis()
@@ -346,6 +417,7 @@ def measure(shapes: str, repeats: int, moe: str = "none", moe_budget: float = MO
     return {
         "allocator": allocator_mode(),
         **machine_load(),
+        "gemms": cpu_gemms(),
         "rows": rows,
         "moe_rows": moe_rows,
     }
@@ -597,11 +669,11 @@ def _markdown(meta, runs) -> str:
         f"median of {meta['repeats']} round-robin repeats, "
         f"load average {loads} on a shared 2-core machine, "
         "bf16 activations and gradients, f32 weights). Ratios of times measured side by side in "
-        "one process; lower is faster. On CPU the int8 GEMM is not faster than bf16, so these "
-        "ratios measure the randomness and vector work around the GEMMs. `sr` is Independent "
-        "SR with s3req's pure-jnp Threefry; `sr-jax` draws the same words with "
-        "`jax.random.bits`, as AQT and Qwix do (the peers' cost of per-element randomness); "
-        "`sr-shared` quantizes once with one threshold tensor.",
+        "one process; lower is faster. "
+        + gemm_text(runs[0].get("gemms"))
+        + " `sr` is Independent SR with s3req's pure-jnp Threefry; `sr-jax` draws the same "
+        "words with `jax.random.bits`, as AQT and Qwix do (the peers' cost of per-element "
+        "randomness); `sr-shared` quantizes once with one threshold tensor.",
         "",
         "Each allocator mode is one process. XLA CPU `malloc`s a call's temporaries and frees "
         "them at its end; glibc maps blocks above its mmap threshold (at most 32 MiB) afresh "

@@ -53,6 +53,8 @@ from bench_qdot import (  # noqa: E402
     allocator_mode,
     allocator_note,
     command_line,
+    cpu_gemms,
+    gemm_text,
     load_text,
     machine_load,
     run_with_allocator,
@@ -185,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
         "allocator": allocator_mode(),
         "engine_commit": _commit(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        **({"gemms": cpu_gemms()} if jax.default_backend() == "cpu" else {}),
         "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -225,14 +228,12 @@ def markdown(s: dict) -> str:
         + (f" Allocator: {allocator_note(meta.get('allocator', 'default'))}." if on_cpu else ""),
         "",
     ]
-    if meta["mode"] != "full":
+    if on_cpu and meta["mode"] != "full":
         lines += [
-            "On a CPU neither GEMM runs on a matrix unit as on a TPU, and the float baseline "
-            "here multiplies bf16 activations by float32 weights, so the speedups over BF16 "
-            "are not evidence for or against the paper's; the claims that transfer are the "
-            "ratios between INT8 policies: S3R vs RTNE, Independent SR vs S3R, and the EC "
-            "overheads. No vector-operation count per element is derived: the CPU has no "
-            "separate vector "
+            gemm_text(meta.get("gemms")) + " The speedups over BF16 are therefore not "
+            "evidence for or against the paper's; the claims that transfer are the ratios "
+            "between INT8 policies: S3R vs RTNE, Independent SR vs S3R, and the EC overheads. "
+            "No vector-operation count per element is derived: the CPU has no separate vector "
             "unit to attribute time to. Rows marked * ran at a reduced H (see the script's "
             "docstring).",
             "",

@@ -49,6 +49,8 @@ from bench_qdot import (  # noqa: E402
     allocator_mode,
     allocator_note,
     command_line,
+    cpu_gemms,
+    gemm_text,
     load_text,
     machine_load,
     run_with_allocator,
@@ -249,6 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
         "jax": jax.__version__,
         "repeats": args.repeats,
         "allocator": allocator_mode(),
+        **({"gemms": cpu_gemms()} if jax.default_backend() == "cpu" else {}),
         "engine_commit": _commit(),
         "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
     }
@@ -314,9 +317,8 @@ def markdown(s: dict) -> str:
             else " on a shared machine"
         )
         + ": differences of a few % are noise. "
-        "On a CPU the int8 GEMM is not faster than the float one, so the speedups over BF16 "
-        "do not transfer; the ratios between INT8 policies measure the rounding, "
-        "threshold and correction work. The last two columns give the paper's TPU v5p "
+        + gemm_text(s.get("gemms"))
+        + " The last two columns give the paper's TPU v5p "
         "speedups over BF16 (Llama 3.1-8B / Qwen3-8B) and over Independent SR (Llama 3.1-8B "
         "/ Qwen3-8B / Qwen3-30B-A3B / DeepSeek-V2-Lite). "
         f"Allocator: {allocator_note(s.get('allocator', 'default'))}.",

@@ -394,8 +394,12 @@ def test_bench_qdot_smoke(tmp_path):
     assert (moe["rows"], moe["h"], moe["d"], moe["scaled"]) == (1024, 128, 128, True)
     assert set(moe["fwd_bwd_s"]) == set(bq.MOE_POLICIES)
     assert sum(moe["group_sizes_min_max"]) > 0 and all(t > 0 for t in moe["fwd_bwd_s"].values())
+    gemms = run["gemms"]  # this CPU's GEMM speeds, said on the page
+    assert set(gemms["gops"]) == {"int8", "bf16_f32", "bf16"}
+    assert all(v > 0 for v in gemms["gops"].values())
     text = out.with_suffix(".md").read_text()
     assert text.startswith("# qdot speed") and "## Targets" in text
+    assert f"int8 with int32 sums {gemms['gops']['int8']:.0f} GOP/s" in text
     assert "## qragged_dot on the MoE presets" in text and "| tiny-moe |" in text
 
 
