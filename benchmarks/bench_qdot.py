@@ -274,15 +274,13 @@ def gemm_text(gemms: dict | None) -> str:
     fastest = max(g["bf16_f32"], g["bf16"])
     if g["int8"] >= 1.2 * fastest:
         return text + (
-            f"Here the int8 GEMM is {g['int8'] / fastest:.1f}x the fastest bf16 one, so a "
-            "speedup over BF16 holds a GEMM speedup (of this CPU's size, not a TPU's) as well "
-            "as the vector work; the ratios between INT8 policies measure the rounding, "
-            "threshold and correction work."
+            f"Here the int8 GEMM is {g['int8'] / fastest:.1f}x the fastest bf16 one: a "
+            "speedup over BF16 holds a GEMM speedup of this CPU's size (not a TPU's) besides "
+            "the vector work."
         )
     return text + (
-        "Here the int8 GEMM is not faster than a bf16 one, so the speedups over BF16 do not "
-        "transfer to a TPU; the ratios between INT8 policies measure the rounding, threshold "
-        "and correction work."
+        "Here the int8 GEMM is not faster than a bf16 one: a speedup over BF16 is vector "
+        "work alone."
     )
 
 
@@ -671,9 +669,11 @@ def _markdown(meta, runs) -> str:
         "bf16 activations and gradients, f32 weights). Ratios of times measured side by side in "
         "one process; lower is faster. "
         + gemm_text(runs[0].get("gemms"))
-        + " `sr` is Independent SR with s3req's pure-jnp Threefry; `sr-jax` draws the same "
-        "words with `jax.random.bits`, as AQT and Qwix do (the peers' cost of per-element "
-        "randomness); `sr-shared` quantizes once with one threshold tensor.",
+        + " The ratios between INT8 policies measure the randomness, rounding and correction "
+        "work around the GEMMs. `sr` is Independent SR with s3req's pure-jnp Threefry; "
+        "`sr-jax` draws the same words with `jax.random.bits`, as AQT and Qwix do (the peers' "
+        "cost of per-element randomness); `sr-shared` quantizes once with one threshold "
+        "tensor.",
         "",
         "Each allocator mode is one process. XLA CPU `malloc`s a call's temporaries and frees "
         "them at its end; glibc maps blocks above its mmap threshold (at most 32 MiB) afresh "

@@ -318,7 +318,9 @@ def markdown(s: dict) -> str:
         )
         + ": differences of a few % are noise. "
         + gemm_text(s.get("gemms"))
-        + " The last two columns give the paper's TPU v5p "
+        + " The speedups over BF16 therefore do not transfer to a TPU; the ratios between "
+        "INT8 policies measure the rounding, threshold and correction work. The last two "
+        "columns give the paper's TPU v5p "
         "speedups over BF16 (Llama 3.1-8B / Qwen3-8B) and over Independent SR (Llama 3.1-8B "
         "/ Qwen3-8B / Qwen3-30B-A3B / DeepSeek-V2-Lite). "
         f"Allocator: {allocator_note(s.get('allocator', 'default'))}.",
