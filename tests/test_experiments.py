@@ -403,6 +403,20 @@ def test_bench_qdot_smoke(tmp_path):
     assert "## qragged_dot on the MoE presets" in text and "| tiny-moe |" in text
 
 
+def test_gemm_text_says_what_the_speeds_show():
+    bq = _bench_qdot()
+    gemms = {"cpu": "X", "flags": ["amx_int8"], "shape": [8, 4, 2]}
+    faster = bq.gemm_text(gemms | {"gops": {"int8": 300.0, "bf16_f32": 200.0, "bf16": 100.0}})
+    assert "int8 with int32 sums 300 GOP/s" in faster and "runs at 1.50x" in faster
+    assert "holds a GEMM speedup" in faster and "amx_int8" in faster
+    even = bq.gemm_text(
+        gemms | {"flags": [], "gops": {"int8": 204.0, "bf16_f32": 100.0, "bf16": 200.0}}
+    )
+    assert "runs at 1.02x" in even and "vector work alone" in even
+    assert "no AMX, VNNI or AVX512-BF16" in even
+    assert "not recorded" in bq.gemm_text(None)  # pages from JSON written before the field
+
+
 def test_allocator_modes():
     bq = _bench_qdot()
     warm, default = bq.allocator_env("warm"), bq.allocator_env("default")
