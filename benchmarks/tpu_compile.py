@@ -190,6 +190,7 @@ def compile_step(
     per_chip: int,
     overrides: dict | None = None,
     pin: bool = True,
+    buffers: bool = False,
 ):
     """Table IV's training step, abstract and sharded FSDP x TP over `mesh` (the step
     traced under the mesh, as `s3req train --mesh` runs it); `overrides`: more
@@ -197,7 +198,8 @@ def compile_step(
     `batch` is the global batch, `per_chip * chips` sequences (MaxText's
     `per_device_batch_size`), split over `fsdp` only. `pin=False` traces the step without
     the mesh, leaving the split of every activation to the SPMD partitioner alone (what
-    `unsplit_activations` catches)."""
+    `unsplit_activations` catches); `buffers`: read the buffer assignment too
+    (`TPUProgram.packing`)."""
     optimizer, _ = make_optimizer(TrainConfig())
     step = make_train_step(optimizer, mesh=mesh if pin else None)
     cfg = t4.config(preset, {"n_layers": n_layers, **(overrides or {})})
@@ -219,7 +221,7 @@ def compile_step(
         return eqx.filter(new.model, eqx.is_array), new.opt_state, info["loss"]
 
     with jax.numpy_dtype_promotion("standard"):
-        return compile_for_tpu(f, model, opt, tokens, key, mesh=mesh), cfg, batch
+        return compile_for_tpu(f, model, opt, tokens, key, mesh=mesh, buffers=buffers), cfg, batch
 
 
 def unsplit_activations(prog: TPUProgram, cfg, batch: int, seq: int) -> list[HloTensor]:

@@ -6,16 +6,24 @@ buffers=True)` and reads the compiler's buffer assignment (`s3req.tpu.BufferPack
 size of the block of temporaries (`heap`), the most bytes of it occupied at one instruction
 (`live`) and the hole between them, beside XLA's `temporaries` and `peak`, and which buffers sit
 above the live bytes with the buffers that kept them lower down (`BufferPacking.top`, printed
-and kept in the JSON). Results merge into
-`tpu_packing.json` under `--out` after every compile; the page `tpu_packing.md` is rewritten.
+and kept in the JSON).
+
+`--steps` compiles Table IV's training step (`compile_step`, fsdp=2 x tp=2, a cut of
+`--layers` layers) of the given model presets the same way and records which buffers are live
+at its busiest instruction (`BufferPacking.busiest`, grouped by shape and the JAX operation
+that made them): the page lists, per policy, the groups that make its live bytes (and so its
+peak) differ from S3R's. Results merge into `tpu_packing.json` under `--out` after every
+compile; the page `tpu_packing.md` is rewritten.
 
     python benchmarks/tpu_packing.py --shapes W1,W4 --policies rtne,s3r,s3r-ec-dx,s3r-ec-2way
+    python benchmarks/tpu_packing.py --shapes= --steps deepseek-v2-lite --policies s3r,s3r-ec-2way
     python benchmarks/tpu_packing.py --pages                     # the page from the JSON
 """
 
 import argparse
 import dataclasses
 import pathlib
+import re
 import sys
 
 
@@ -200,19 +208,180 @@ def _top_table(rows: dict) -> list[str]:
     return out if len(out) > 2 else []
 
 
+GROUP_FLOOR = 2**18
+"""Groups of buffers live at a step's busiest instruction with fewer bytes than this are
+kept in the JSON as one sum (`rest`)."""
+SHOWN_GROUPS = 10
+"""Groups listed per policy on the page (the largest changes over S3R)."""
+_STEP_PREFIX = "jit(traced)/jit(step)/"
+
+
+def made_by(b) -> str:
+    """What made a buffer: the JAX `op_name` of its instruction without the training step's
+    common prefix, or, for a buffer the compiler made, `(compiler)` and the kind of its
+    instruction (`copy-start`, `all-gather`, ...). Instruction numbers are dropped (the
+    compiler names some instructions' `op_name` after another instruction, `reshape.571`),
+    so the same buffer of two programs gets the same name."""
+    if b.op_name:
+        return re.sub(r"\.\d+$", "", b.op_name.removeprefix(_STEP_PREFIX))
+    return "(compiler) " + re.sub(r"\.\d+$", "", b.name.split("{")[0])
+
+
+def busiest_groups(busiest) -> dict:
+    """The buffers live at the busiest instruction (`BufferPacking.busiest`) grouped by
+    shape (without layout) and `made_by`: every group of at least `GROUP_FLOOR` bytes with
+    its count, bytes and the steps its buffers span, largest first, and the count and bytes
+    of the rest."""
+    groups: dict[tuple[str, str], dict] = {}
+    for b in busiest:
+        key = (b.shape.split("{")[0], made_by(b))
+        g = groups.setdefault(
+            key,
+            {
+                "shape": key[0],
+                "made_by": key[1],
+                "count": 0,
+                "bytes": 0,
+                "first": b.first,
+                "last": b.last,
+            },
+        )
+        g["count"] += 1
+        g["bytes"] += b.size
+        g["first"], g["last"] = min(g["first"], b.first), max(g["last"], b.last)
+    kept = sorted(
+        (g for g in groups.values() if g["bytes"] >= GROUP_FLOOR),
+        key=lambda g: (-g["bytes"], g["shape"], g["made_by"]),
+    )
+    rest = [g for g in groups.values() if g["bytes"] < GROUP_FLOOR]
+    return {
+        "groups": kept,
+        "rest": {"count": sum(g["count"] for g in rest), "bytes": sum(g["bytes"] for g in rest)},
+    }
+
+
+def group_changes(a: dict, b: dict) -> tuple[list[dict], int]:
+    """The groups of `busiest_groups` whose bytes differ between programs `a` and `b` (a
+    group absent from one counts 0 there), by the size of the change, largest first, and the
+    change of the rest; together they add up to the change of the buffers' total size."""
+    key = lambda g: (g["shape"], g["made_by"])
+    ga, gb = {key(g): g for g in a["groups"]}, {key(g): g for g in b["groups"]}
+    out = []
+    for k in sorted(set(ga) | set(gb)):
+        x, y = ga.get(k, {"bytes": 0, "count": 0}), gb.get(k, {"bytes": 0, "count": 0})
+        spans = y if k in gb else x  # the steps of the second program's buffers if it has any
+        if y["bytes"] != x["bytes"]:
+            out.append(
+                {
+                    "shape": k[0],
+                    "made_by": k[1],
+                    "change": y["bytes"] - x["bytes"],
+                    "counts": (x["count"], y["count"]),
+                    "steps": spans["first"],
+                    "to": spans["last"],
+                }
+            )
+    out.sort(key=lambda c: (-abs(c["change"]), c["shape"], c["made_by"]))
+    return out, b["rest"]["bytes"] - a["rest"]["bytes"]
+
+
+def _step_label(preset: str) -> str:
+    return {v: k for k, v in tc.TABLE4_MODELS.items()}.get(preset, preset)
+
+
+def _steps_table(steps: dict) -> list[str]:
+    out = [
+        "| model | layers | policy | temporaries | heap | live | hole | peak | peak - live | "
+        "busiest instruction | commit |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for m, R in steps.items():
+        for p, r in R["policies"].items():
+            out.append(
+                f"| {m} | {R['n_layers']} | {p} | {_mib(r['temporaries'])} | {_mib(r['heap'])} "
+                f"| {_mib(r['live'])} | {_mib(r['hole'])} | {_mib(r['peak'])} | "
+                f"{_mib(r['peak'] - r['live'])} | `{r['live_at']}` | `{r['commit']}` |"
+            )
+    return out
+
+
+def _inside(c: dict) -> bool:
+    """Whether a group was made inside the MoE block's `shard_map` (the expert GEMMs)."""
+    return "shard_map" in c["made_by"]
+
+
+def _changes_section(m: str, p: str, a: dict, b: dict) -> list[str]:
+    changes, rest = group_changes(a["busiest"], b["busiest"])
+    shown = changes[:SHOWN_GROUPS]
+    others = sum(c["change"] for c in changes[SHOWN_GROUPS:])
+    total = sum(c["change"] for c in changes) + rest
+    new = sum(c["change"] for c in changes if 0 in c["counts"])
+    inside = sum(c["change"] for c in changes if _inside(c))
+    lines = [
+        f"**{m}, {p} over S3R**: live {_signed(b['live'] - a['live'])} MiB, peak "
+        f"{_signed(b['peak'] - a['peak'])} MiB; the buffers live at the busiest instruction "
+        f"{_signed(total)} MiB in size, {_signed(new)} MiB of it in groups that only one of "
+        f"the two holds there, {_signed(inside)} MiB made inside the MoE block's `shard_map` "
+        "(the expert GEMMs), the rest by the layer's other parts.",
+        "",
+        "| change (MiB) | buffers (S3R, " + p + ") | shape | made by | steps |",
+        "| ---: | ---: | --- | --- | --- |",
+    ]
+    for c in shown:
+        lines.append(
+            f"| {_signed(c['change'])} | {c['counts'][0]}, {c['counts'][1]} | `{c['shape']}` "
+            f"| {c['made_by']} | {c['steps']}-{c['to']} |"
+        )
+    if len(changes) > SHOWN_GROUPS:
+        lines.append(f"| {_signed(others)} | | {len(changes) - SHOWN_GROUPS} other groups | | |")
+    lines.append(f"| {_signed(rest)} | | groups under {GROUP_FLOOR // 1024} KiB | | |")
+    return lines
+
+
+def _steps_section(steps: dict) -> list[str]:
+    lines = [
+        "## Training steps: which buffers make a policy's live bytes",
+        "",
+        "Table IV's training step (`compile_step` of `benchmarks/tpu_compile.py`: loss, "
+        "backward, clipping, AdamW, fsdp=2 x tp=2 over v5p:2x2x1, 16 x 4096 tokens, full "
+        "rematerialisation; the layers column is the cut compiled) with its buffer "
+        "assignment read. MiB per chip. peak - live is the arguments and outputs, the same "
+        "for every policy of a model, so a policy's surplus of peak over S3R is its surplus "
+        "of bytes live at the busiest instruction (`BufferPacking.busiest`), grouped below "
+        "by shape and the JAX operation that made them (op names without `"
+        + _STEP_PREFIX
+        + "`; steps are positions in XLA's schedule, which differs between "
+        "policies).",
+        "",
+        *_steps_table(steps),
+        "",
+    ]
+    for m, R in steps.items():
+        P_ = R["policies"]
+        for p in P_:
+            if p != "s3r" and "s3r" in P_:
+                lines += [*_changes_section(m, p, P_["s3r"], P_[p]), ""]
+    return lines
+
+
 def markdown(data: dict) -> str:
     rows = data.get("ffn", {})
+    steps = data.get("steps", {})
     meta = data.get("meta", {})
-    commits = sorted({r["commit"] for R in rows.values() for r in R.values()})
+    commits = sorted(
+        {r["commit"] for R in rows.values() for r in R.values()}
+        | {r["commit"] for R in steps.values() for r in R["policies"].values()}
+    )
     lines = [
-        "# TPU v5p compile: how the FFN block's temporaries are packed",
+        "# TPU v5p compile: how the temporaries are packed, and which buffers are live",
         "",
         "Generated by `python benchmarks/tpu_packing.py` with `s3req.tpu.compile_for_tpu(..., "
         f"buffers=True)` (libtpu's XLA TPU compiler, jax {meta.get('jax', '?')}) on a CPU "
         f"machine, engine at {', '.join(f'`{c}`' for c in commits)}: the SwiGLU FFN block of "
         "[the TPU compile page](tpu_compile.md) (forward + backward, 16 x 4096 tokens "
-        f"batch-split over {meta.get('topology', 'v5p:2x2x1')}), compiled ahead of time; "
-        "nothing ran on a TPU. MiB per chip.",
+        f"batch-split over {meta.get('topology', 'v5p:2x2x1')})"
+        + (" and [Table IV's training steps](tpu_table4.md) (last section)" if steps else "")
+        + ", compiled ahead of time; nothing ran on a TPU. MiB per chip.",
         "",
         "XLA places every temporary buffer at an offset of one block of HBM so that buffers "
         "live at the same time do not overlap (its buffer assignment, dumped with "
@@ -223,27 +392,32 @@ def markdown(data: dict) -> str:
         "(`peak_memory_in_bytes`, arguments and outputs included) are XLA's memory "
         "analysis, as on the TPU compile page.",
         "",
-        *_table(rows),
-        "",
-        "Differences to S3R of the same shape (MiB; the targets of the TPU issue compare "
-        "temporaries):",
-        "",
-        *_surplus_table(rows),
-        "",
-        _reading(rows),
-        "",
-        "So where a policy's temporaries exceed S3R's with the same live bytes and peak, the "
-        "excess is holes of the packing, twice: what the program needs at its busiest "
-        "instruction is `live` (and the peak). Any buffer that shifts the packing can open "
-        "such a hole (a small buffer that lives long, placed inside the range a large dead "
-        "one freed, keeps a later large one out of it); RTNE, whose program is S3R's without "
-        "the thresholds, gets one too.",
-        "",
     ]
+    if rows:
+        lines += [
+            "## The FFN block",
+            "",
+            *_table(rows),
+            "",
+            "Differences to S3R of the same shape (MiB; the targets of the TPU issue compare "
+            "temporaries):",
+            "",
+            *_surplus_table(rows),
+            "",
+            _reading(rows),
+            "",
+            "So where a policy's temporaries exceed S3R's with the same live bytes and peak, "
+            "the excess is holes of the packing, twice: what the program needs at its busiest "
+            "instruction is `live` (and the peak). Any buffer that shifts the packing can open "
+            "such a hole (a small buffer that lives long, placed inside the range a large "
+            "dead one freed, keeps a later large one out of it); RTNE, whose program is S3R's "
+            "without the thresholds, gets one too.",
+            "",
+        ]
     top = _top_table(rows)
     if top:
         lines += [
-            "## What sits on top of the block",
+            "### What sits on top of the block",
             "",
             f"For the programs whose hole is {SHOWN_HOLE:.0%} of their heap or more (and whose "
             "buffer assignment was read, "
@@ -254,6 +428,8 @@ def markdown(data: dict) -> str:
             *top,
             "",
         ]
+    if steps:
+        lines += _steps_section(steps)
     return "\n".join(lines)
 
 
@@ -263,6 +439,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--tokens", default="16,4096", help="batch,seq (default: Table III's)")
     ap.add_argument("--out", default=str(tc.ROOT / "docs" / "results"))
+    ap.add_argument(
+        "--steps", default="", help="model presets whose training step to compile (Table IV's)"
+    )
+    ap.add_argument("--layers", type=int, default=1, help="layers of the training steps' cut")
     ap.add_argument("--pages", action="store_true", help="only rewrite the page from the JSON")
     args = ap.parse_args(argv)
     out = pathlib.Path(args.out)
@@ -272,7 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.pages:
         mesh = tpu_mesh(topology=tc.TOPOLOGY)
         batch, seq = map(int, args.tokens.split(","))
-        for w in args.shapes.split(","):
+        for w in filter(None, args.shapes.split(",")):
             h, d = models.PAPER_FFN_SHAPES[w]
             for p in args.policies.split(","):
                 prog = tc.compile_ffn(p, mesh, h, d, batch, seq, buffers=True)
@@ -286,6 +466,29 @@ def main(argv: list[str] | None = None) -> dict:
                     flush=True,
                 )
                 print("\n".join(_explain(prog.packing)), flush=True)
+        mesh2 = tpu_mesh({"fsdp": 2, "tp": 2}, topology=tc.TOPOLOGY)
+        for preset in filter(None, args.steps.split(",")):
+            label = _step_label(preset)
+            for p in args.policies.split(","):
+                prog, cfg, _ = tc.compile_step(
+                    p, mesh2, preset, args.layers, 4096, 4, buffers=True
+                )
+                m = data.setdefault("steps", {}).setdefault(label, {})
+                if m.get("n_layers") != cfg.n_layers:
+                    m.clear()  # rows of another cut are not comparable with this one
+                m.update({"preset": preset, "n_layers": cfg.n_layers})
+                assert prog.packing is not None
+                # `top` is left out: the page shows the busiest buffers of a step, not its hole
+                r: dict = _row(prog) | {"busiest": busiest_groups(prog.packing.busiest)}
+                del r["top"]
+                m.setdefault("policies", {})[p] = r
+                data["meta"] = tc._meta(prog.device_kind)
+                tc._save(out, "tpu_packing", data, markdown)
+                print(
+                    f"{label} {p}: temporaries {_mib(r['temporaries'])} live {_mib(r['live'])} "
+                    f"hole {_mib(r['hole'])} peak {_mib(r['peak'])} MiB",
+                    flush=True,
+                )
     if data:
         tc._save(out, "tpu_packing", data, markdown)
     return data

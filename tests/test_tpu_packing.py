@@ -2,6 +2,7 @@
 and `compile_for_tpu(..., buffers=True)` on TPU v5p (skipped without libtpu)."""
 
 import importlib.util
+import re
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +126,21 @@ def test_buffer_packing_names_what_keeps_a_buffer_off_the_bottom(tmp_path):
     assert buffer_packing(_ASSIGNMENT, _LIVE, _HOLE_HLO).top == ()
 
 
+def test_buffer_packing_lists_the_buffers_live_at_the_busiest_instruction():
+    """`busiest`: the buffers live at `live_at`, largest first; their sizes add up to `live`
+    where none share bytes; empty without the HLO."""
+    pk = buffer_packing(_HOLE_ASSIGNMENT, _HOLE_LIVE, _HOLE_HLO)
+    # The busiest instruction is t (step 2): k, s and t live there, a died at step 0.
+    assert pk.live_at == "t"
+    assert [b.name for b in pk.busiest] == ["t{}", "k{}", "s{}"]
+    assert sum(b.size for b in pk.busiest) == pk.live
+    assert pk.busiest[0].op_name == "jit(f)/transpose(max)"
+    assert buffer_packing(_HOLE_ASSIGNMENT, _HOLE_LIVE).busiest == ()
+    # At step 1 of the first program a and b live (c and d come later).
+    pk = buffer_packing(_ASSIGNMENT, _LIVE, _HOLE_HLO)
+    assert [b.name for b in pk.busiest] == ["b{}", "a{}"]
+
+
 def test_buffer_packing_rejects_dumps_of_two_programs(tmp_path):
     with pytest.raises(ValueError, match="same module"):
         buffer_packing(_ASSIGNMENT, _LIVE.replace("    c{}:2-3\n", ""))
@@ -233,3 +249,107 @@ def test_packing_page_names_what_sits_on_top():
     # the blockers by size, largest first, and their count
     assert lines[0].index("`s8[4,4096,2048]`") < lines[0].index("`f32[2048]`")
     assert "| 2: " in lines[0]
+
+
+def _heap_buffer(name, shape, size, first, last, op=""):
+    return HeapBuffer(
+        name=name,
+        shape=shape,
+        offset=0,
+        size=size,
+        first=first,
+        last=last,
+        first_instruction=name,
+        last_instruction=name,
+        op_name=op,
+    )
+
+
+def test_busiest_groups_and_their_changes_add_up():
+    """The page's groups of the buffers live at a step's busiest instruction: by shape and
+    what made them (the op name without the step's prefix, or the compiler instruction's
+    kind), small groups summed; the changes between two programs add up to the change of
+    the buffers' total size, a group absent from one program counting 0 there."""
+    tp = _packing_page_module()
+    step = "jit(traced)/jit(step)/transpose(jvp())/"
+    small = tp.GROUP_FLOOR // 4
+    a = [
+        _heap_buffer("x.1{}", "s8[8,4096,2048]{2,1,0}", 64 * MiB, 10, 90, step + "dot_general"),
+        _heap_buffer(
+            "x.2{}", "s8[8,4096,2048]{2,1,0:T(8,128)}", 64 * MiB, 12, 80, step + "dot_general"
+        ),
+        _heap_buffer("copy-start.29{0}", "bf16[1024]{0}", small, 5, 50),
+        _heap_buffer("w.3{}", "f32[16]{0}", small, 5, 50, step + "shard_map/mul"),
+    ]
+    b = [
+        *a[:3],
+        _heap_buffer("x.4{}", "s8[8,4096,2048]{2,1,0}", 64 * MiB, 30, 95, step + "dot_general"),
+        _heap_buffer(
+            "r.5{1}", "s8[64,2048,704]{1,2,0}", 88 * MiB, 20, 99, step + "shard_map/reduce_sum"
+        ),
+    ]
+    ga, gb = tp.busiest_groups(a), tp.busiest_groups(b)
+    (codes, *_) = ga["groups"]
+    assert (codes["shape"], codes["made_by"]) == (
+        "s8[8,4096,2048]",
+        "transpose(jvp())/dot_general",
+    )
+    assert (codes["count"], codes["bytes"], codes["first"], codes["last"]) == (
+        2,
+        128 * MiB,
+        10,
+        90,
+    )
+    # the two small groups (a compiler copy, named by its instruction's kind, and an op)
+    assert ga["rest"] == {"count": 2, "bytes": 2 * small}
+    assert tp.made_by(a[2]) == "(compiler) copy-start"
+    # an op_name the compiler took from another instruction loses its number too
+    assert tp.made_by(_heap_buffer("f.7{}", "bf16[8]{0}", 16, 0, 1, "reshape.571")) == "reshape"
+    changes, rest = tp.group_changes(ga, gb)
+    assert [(c["shape"], c["change"], c["counts"]) for c in changes] == [
+        ("s8[64,2048,704]", 88 * MiB, (0, 1)),
+        ("s8[8,4096,2048]", 64 * MiB, (2, 3)),
+    ]
+    assert rest == -small
+    total = sum(x.size for x in b) - sum(x.size for x in a)
+    assert sum(c["change"] for c in changes) + rest == total
+
+    def row(groups, live):
+        return {
+            "temporaries": 3 * live,
+            "peak": live + 100 * MiB,
+            "heap": 2 * live,
+            "live": live,
+            "hole": live,
+            "live_at": "fusion.1",
+            "top": [],
+            "commit": "abc1234",
+            "busiest": groups,
+        }
+
+    live = sum(x.size for x in a)
+    data = {
+        "steps": {
+            "DeepSeek-V2-Lite": {
+                "preset": "deepseek-v2-lite",
+                "n_layers": 1,
+                "policies": {"s3r": row(ga, live), "s3r-ec-2way": row(gb, live + total)},
+            }
+        },
+        "meta": {"jax": "0", "topology": "v5p:2x2x1"},
+    }
+    page = tp.markdown(data)
+    assert "## The FFN block" not in page
+    section = page.split("## Training steps")[1]
+    assert (
+        "**DeepSeek-V2-Lite, s3r-ec-2way over S3R**: live +151.9 MiB, peak +151.9 MiB" in section
+    )
+    # 88 MiB of a group S3R does not hold there, made inside the expert GEMMs' shard_map
+    assert "+88.0 MiB of it in groups that only one of the two holds there" in section
+    assert "+88.0 MiB made inside the MoE block's `shard_map`" in section
+    rows = [line for line in section.splitlines() if re.match(r"\| [+-]\d", line)]
+    assert rows[0].startswith(
+        "| +88.0 | 0, 1 | `s8[64,2048,704]` | transpose(jvp())/shard_map/reduce_sum"
+    )
+    assert rows[1].startswith("| +64.0 | 2, 3 | `s8[8,4096,2048]`")
+    assert rows[-1].startswith("| -0.1 | | groups under 256 KiB")

@@ -39,6 +39,10 @@ class BufferPacking:
     """The buffers that sit above `live` bytes, highest first (at most `TOP_BUFFERS`), each
     with what kept it from a lower place (a [`s3req.tpu.HeapTop`][]); empty without a hole
     or without the program's HLO."""
+    busiest: tuple["HeapBuffer", ...] = ()
+    """The buffers live at `live_at`, largest first; empty without the program's HLO. Their
+    sizes add up to `live` where no two of them share bytes (values of one tuple may), so
+    two programs' `busiest` say which buffers make the difference of their live bytes."""
 
     @property
     def hole(self) -> int:
@@ -204,7 +208,8 @@ def buffer_packing(
     dumps. A value's live range includes both ends (a buffer defined at the step where
     another dies does not share its bytes unless the compiler placed it there). With the
     optimized HLO text (`*after_optimizations.txt`), `BufferPacking.top` says which buffers
-    of at least `min_size` bytes sit above the live bytes and what kept them lower down."""
+    of at least `min_size` bytes sit above the live bytes and what kept them lower down, and
+    `BufferPacking.busiest` which buffers are live at the busiest instruction."""
     heap, values = _heap_values(assignment)
     steps, ranges = _live_ranges(live_range)
     missing = sorted(set(values) - set(ranges))
@@ -223,8 +228,8 @@ def buffer_packing(
         occupied = _occupied([(values[n][0], values[n][0] + values[n][1]) for n in alive])
         if occupied > live:
             live, live_at = occupied, t
-    top = ()
-    if hlo and heap > live:
+    top, busiest = (), ()
+    if hlo:
         ops = _op_names(hlo)
         step = lambda t: steps[t] if t < len(steps) else ""
         buffers = [
@@ -241,8 +246,17 @@ def buffer_packing(
             )
             for name, (offset, size, shape) in values.items()
         ]
-        top = _top(buffers, live, min_size)
-    return BufferPacking(heap=heap, live=live, live_at=steps[live_at] if steps else "", top=top)
+        at = [b for b in buffers if b.first <= live_at <= b.last]
+        busiest = tuple(sorted(at, key=lambda b: (-b.size, b.offset)))
+        if heap > live:
+            top = _top(buffers, live, min_size)
+    return BufferPacking(
+        heap=heap,
+        live=live,
+        live_at=steps[live_at] if steps else "",
+        top=top,
+        busiest=busiest,
+    )
 
 
 def read_dump(directory: str | pathlib.Path, module: str) -> BufferPacking:
