@@ -317,12 +317,19 @@ def _changes_section(m: str, p: str, a: dict, b: dict) -> list[str]:
     total = sum(c["change"] for c in changes) + rest
     new = sum(c["change"] for c in changes if 0 in c["counts"])
     inside = sum(c["change"] for c in changes if _inside(c))
-    lines = [
+    head = (
         f"**{m}, {p} over S3R**: live {_signed(b['live'] - a['live'])} MiB, peak "
-        f"{_signed(b['peak'] - a['peak'])} MiB; the buffers live at the busiest instruction "
-        f"{_signed(total)} MiB in size, {_signed(new)} MiB of it in groups that only one of "
-        f"the two holds there, {_signed(inside)} MiB made inside the MoE block's `shard_map` "
-        "(the expert GEMMs), the rest by the layer's other parts.",
+        f"{_signed(b['peak'] - a['peak'])} MiB; "
+    )
+    if not changes and not rest:
+        return [
+            head + "the same buffers (shapes and operations) are live at the busiest instruction."
+        ]
+    lines = [
+        head + f"the buffers live at the busiest instruction {_signed(total)} MiB in size, "
+        f"{_signed(new)} MiB of it in groups that only one of the two holds there, "
+        f"{_signed(inside)} MiB made inside the MoE block's `shard_map` (the expert GEMMs), "
+        "the rest by the layer's other parts.",
         "",
         "| change (MiB) | buffers (S3R, " + p + ") | shape | made by | steps |",
         "| ---: | ---: | --- | --- | --- |",
@@ -339,6 +346,8 @@ def _changes_section(m: str, p: str, a: dict, b: dict) -> list[str]:
 
 
 def _steps_section(steps: dict) -> list[str]:
+    extra = [{r["peak"] - r["live"] for r in R["policies"].values()} for R in steps.values()]
+    spread = max(max(v) - min(v) for v in extra)
     lines = [
         "## Training steps: which buffers make a policy's live bytes",
         "",
@@ -346,7 +355,8 @@ def _steps_section(steps: dict) -> list[str]:
         "backward, clipping, AdamW, fsdp=2 x tp=2 over v5p:2x2x1, 16 x 4096 tokens, full "
         "rematerialisation; the layers column is the cut compiled) with its buffer "
         "assignment read. MiB per chip. peak - live is the arguments and outputs, the same "
-        "for every policy of a model, so a policy's surplus of peak over S3R is its surplus "
+        f"for every policy of a model to within {spread / MiB:.2f} MiB here, so a policy's "
+        "surplus of peak over S3R is its surplus "
         "of bytes live at the busiest instruction (`BufferPacking.busiest`), grouped below "
         "by shape and the JAX operation that made them (op names without `"
         + _STEP_PREFIX

@@ -334,13 +334,23 @@ def test_busiest_groups_and_their_changes_add_up():
                 "preset": "deepseek-v2-lite",
                 "n_layers": 1,
                 "policies": {"s3r": row(ga, live), "s3r-ec-2way": row(gb, live + total)},
-            }
+            },
+            "Qwen3-30B-A3B": {
+                "preset": "qwen3-30b-a3b",
+                "n_layers": 1,
+                "policies": {"s3r": row(ga, live), "s3r-ec-2way": row(ga, live)},
+            },
         },
         "meta": {"jax": "0", "topology": "v5p:2x2x1"},
     }
     page = tp.markdown(data)
     assert "## The FFN block" not in page
     section = page.split("## Training steps")[1]
+    assert (
+        "**Qwen3-30B-A3B, s3r-ec-2way over S3R**: live +0.0 MiB, peak +0.0 MiB; the same "
+        "buffers (shapes and operations) are live at the busiest instruction." in section
+    )
+    section = section.split("**Qwen3-30B-A3B")[0]
     assert (
         "**DeepSeek-V2-Lite, s3r-ec-2way over S3R**: live +151.9 MiB, peak +151.9 MiB" in section
     )
