@@ -1185,6 +1185,14 @@ def markdown_table4(s: dict) -> str:
         )
     if (reading := _reading_table4(s)) is not None:
         lines += ["", reading]
+    if any(m.get("moe_layers") for m in s["models"].values()):
+        lines += [
+            "",
+            "Which buffers make an MoE step's surplus of live bytes (and peak) over S3R, "
+            "grouped by shape and the operation that made them: the last section of the "
+            "[packing page](tpu_packing.md) (`python benchmarks/tpu_packing.py --steps "
+            "...`).",
+        ]
     return "\n".join(lines) + "\n"
 
 
