@@ -306,7 +306,8 @@ def _steps_table(steps: dict) -> list[str]:
 
 
 def _inside(c: dict) -> bool:
-    """Whether a group was made inside the MoE block's `shard_map` (the expert GEMMs)."""
+    """Whether a group was made inside the MoE block's `shard_map` (its routing and expert
+    GEMMs)."""
     return "shard_map" in c["made_by"]
 
 
@@ -328,7 +329,8 @@ def _changes_section(m: str, p: str, a: dict, b: dict) -> list[str]:
     lines = [
         head + f"the buffers live at the busiest instruction {_signed(total)} MiB in size, "
         f"{_signed(new)} MiB of it in groups that only one of the two holds there, "
-        f"{_signed(inside)} MiB made inside the MoE block's `shard_map` (the expert GEMMs), "
+        f"{_signed(inside)} MiB made inside the MoE block's `shard_map` (routing and expert "
+        "GEMMs), "
         "the rest by the layer's other parts.",
         "",
         "| change (MiB) | buffers (S3R, " + p + ") | shape | made by | steps |",

@@ -356,7 +356,7 @@ def test_busiest_groups_and_their_changes_add_up():
     )
     # 88 MiB of a group S3R does not hold there, made inside the expert GEMMs' shard_map
     assert "+88.0 MiB of it in groups that only one of the two holds there" in section
-    assert "+88.0 MiB made inside the MoE block's `shard_map`" in section
+    assert "+88.0 MiB made inside the MoE block's `shard_map` (routing and expert" in section
     rows = [line for line in section.splitlines() if re.match(r"\| [+-]\d", line)]
     assert rows[0].startswith(
         "| +88.0 | 0, 1 | `s8[64,2048,704]` | transpose(jvp())/shard_map/reduce_sum"
