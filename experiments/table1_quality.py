@@ -750,6 +750,17 @@ def engines_markdown(summary: dict) -> list[str]:
     engines = summary.get("engines") or {}
     if not engines:
         return []
+    rechecks = summary.get("rechecks") or []
+    distinct = sorted({e for es in engines.values() for e in es})
+    if len(distinct) == 1 and not rechecks:
+        # One engine trained every run: nothing to compare between engines.
+        return [
+            "",
+            "## Corpus and engine",
+            "",
+            f"Every run reads the same corpus: {summary.get('corpus', CORPUS)}. Every run was "
+            f"trained by one engine, `{distinct[0]}` (the commit of `s3req`).",
+        ]
     lines = [
         "",
         "## Corpus and engines",
@@ -768,7 +779,6 @@ def engines_markdown(summary: dict) -> list[str]:
             for e, cs in es.items()
         ]
         lines.append(f"| {seed} | {'; '.join(cells)} |")
-    rechecks = summary.get("rechecks") or []
     if rechecks:
         lines += [
             "",

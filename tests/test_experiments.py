@@ -164,6 +164,10 @@ def test_table1_engines_section():
     assert "`s3r-ec-2way` 4.2e-08" in text
     assert "`m` computes bitwise the same as `n` for every preset" in text
     assert "`05a59a9` compute" not in text
+    # One engine for every run and no reruns: the section says so and nothing about mixing.
+    one = "\n".join(t1.engines_markdown({"engines": {"0": {"n": ["sr"]}, "1": {"n": ["sr"]}}}))
+    assert "Every run was trained by one engine, `n`" in one
+    assert "stays paired" not in one and "| seed |" not in one
 
 
 def test_table1_engines_to_probe(tmp_path):
