@@ -159,7 +159,8 @@ def test_buffer_packing_rejects_dumps_of_two_programs(tmp_path):
 def test_v5p_packing_of_a_layer():
     """Reading the buffer assignment does not change the program (the same memory analysis
     as without); its block holds what is live, and on v5p the reported temporaries are the
-    block plus its hole again (the claim of the tpu_packing page)."""
+    block plus its hole again (the claim of the tpu_packing page); `busiest` holds the live
+    bytes of the busiest instruction."""
     mesh = tpu_mesh()
     batch = NamedSharding(mesh, PartitionSpec("data"))
     B, S, H, D = 8, 512, 256, 512
@@ -180,6 +181,11 @@ def test_v5p_packing_of_a_layer():
     assert 0 < pk.live <= pk.heap <= m.temporaries
     assert abs(m.temporaries - pk.heap - pk.hole) <= MiB // 10, (m, pk)
     assert read.summary()["packing"]["hole"] == pk.hole
+    # The buffers live at the busiest instruction hold its live bytes (values of one tuple
+    # may share bytes, so their sizes may add to more), largest first, each live there.
+    sizes = [b.size for b in pk.busiest]
+    assert sizes == sorted(sizes, reverse=True) and sum(sizes) >= pk.live
+    assert max(b.first for b in pk.busiest) <= min(b.last for b in pk.busiest)  # one step
 
 
 def _packing_page_module():
