@@ -12,6 +12,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._interfaces import AbstractPolicy
 from ._qdot import qdot
+from ._sharding import explicit_axes, on_auto_axes
 
 
 def _axes(dims: Sequence[int], ndim: int, side: str) -> tuple[int, ...]:
@@ -67,8 +68,10 @@ def dot_general(
       argument.)
     - `key`: a fresh key for the backward thresholds; required when the policy is stochastic.
       (Keyword only argument.)
-    - `out_sharding`: must be `None` for a quantizing policy (shard under `jax.jit` instead).
-      (Keyword only argument.)
+    - `out_sharding`: the product's sharding on a mesh with `AxisType.Explicit` axes, as in
+      `jax.lax.dot_general` (needed where the contracted axes are sharded); with a quantizing
+      policy the maths runs with those axes `Auto` and the result is resharded to it (see
+      [`s3req.qdot`][]). (Keyword only argument.)
 
     **Returns:**
 
@@ -84,10 +87,10 @@ def dot_general(
             preferred_element_type,
             out_sharding=out_sharding,
         )
-    if out_sharding is not None:
+    if out_sharding is not None and not explicit_axes():
         raise ValueError(
-            "s3req.dot_general: `out_sharding` is not supported with a quantizing policy; "
-            "shard the operands under jax.jit instead."
+            "s3req.dot_general: `out_sharding` applies on a mesh with Explicit axes only (as in "
+            "`jax.lax.dot_general`); on Auto axes shard the operands under `jax.jit` instead."
         )
     (lc, rc), (lb, rb) = dimension_numbers
     lc, lb = _axes(lc, lhs.ndim, "lhs"), _axes(lb, lhs.ndim, "lhs")
@@ -104,6 +107,20 @@ def dot_general(
                 f"s3req.dot_general: {what} axes differ in size: lhs {ls} vs rhs {rs} "
                 f"(shapes {lhs.shape} and {rhs.shape})."
             )
+
+    def product(lhs, rhs, key):
+        return _product(lhs, rhs, (lc, rc, lb, rb), policy, key)
+
+    def plain(lhs, rhs, key):
+        return jax.lax.dot_general(lhs, rhs, dimension_numbers)
+
+    y = on_auto_axes("s3req.dot_general", product, plain, lhs, rhs, key, out_sharding=out_sharding)
+    return y if preferred_element_type is None else y.astype(preferred_element_type)
+
+
+def _product(lhs, rhs, dims, policy, key) -> Array:
+    """`qdot` on the operands transposed and reshaped to its layout, in `dot_general`'s."""
+    lc, rc, lb, rb = dims
     lf = tuple(a for a in range(lhs.ndim) if a not in lc + lb)
     rf = tuple(a for a in range(rhs.ndim) if a not in rc + rb)
     batch = tuple(lhs.shape[a] for a in lb)
@@ -126,5 +143,4 @@ def dot_general(
         else:
             prod = lambda xi, wi, ki: qdot(xi, wi, policy=policy, key=ki)
             y = jax.vmap(prod)(x4, w3, jr.split(key, n))
-    y = y.reshape(batch + free_l + free_r)
-    return y if preferred_element_type is None else y.astype(preferred_element_type)
+    return y.reshape(batch + free_l + free_r)

@@ -17,7 +17,7 @@ from ._backward import (
 from ._formats import IntGrad
 from ._interfaces import AbstractPolicy
 from ._quantize import gradient_step
-from ._sharding import NO_AXES, ShardAxes
+from ._sharding import NO_AXES, on_auto_axes, ShardAxes
 from ._thresholds import Layout
 
 
@@ -174,6 +174,8 @@ def qdot(
       policy is stochastic.
     - `axes`: inside `jax.shard_map`, the mesh axes that shard the operands (a
       [`s3req.ShardAxes`][]); `None` under `jax.jit` sharding or unsharded. Keyword only.
+      On a mesh of `AxisType.Explicit` axes the maths runs with those axes `Auto` and the
+      product is sharded as `x @ w` would be (docs/guides/scaling.md).
 
     **Returns:**
 
@@ -207,8 +209,6 @@ def qdot_t(
     if policy is None:
         y = jnp.matmul(x, (w.T if transposed else w).astype(x.dtype))
         return y if axes is None else axes.psum(y, "d_in")
-    lead = x.shape[:-1]
-    x3 = x.reshape((1,) * (3 - x.ndim) + x.shape)
     layer = Dense(axes=NO_AXES if axes is None else axes, transposed=transposed)
     h_all = w.shape[1 if transposed else 0] * layer.axes.size("d_in")
     d_all = w.shape[0 if transposed else 1] * layer.axes.size("d_out")
@@ -217,5 +217,13 @@ def qdot_t(
             f"s3req.qdot: feature dimensions above {MAX_TERMS} would overflow int32 "
             f"accumulation, got a global weight of shape {(h_all, d_all)}."
         )
-    y: Array = quantized_matmul(policy, layer, x3, w, key)  # pyright: ignore
-    return y.reshape(lead + (d_all // layer.axes.size("d_out"),))
+
+    def product(x, w, key):
+        x3 = x.reshape((1,) * (3 - x.ndim) + x.shape)
+        y: Array = quantized_matmul(policy, layer, x3, w, key)  # pyright: ignore
+        return y.reshape(x.shape[:-1] + (d_all // layer.axes.size("d_out"),))
+
+    def plain(x, w, key):
+        return jnp.matmul(x, (w.T if transposed else w).astype(x.dtype))
+
+    return on_auto_axes("s3req.qdot", product, plain, x, w, key)

@@ -10,12 +10,13 @@ examples.
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._backward import Check, MAX_TERMS, passed, quantized_matmul, Ragged
 from ._interfaces import AbstractPolicy
 from ._qdot import check_key
-from ._sharding import NO_AXES, ShardAxes
+from ._sharding import NO_AXES, on_auto_axes, ShardAxes
 
 
 _I32 = jnp.int32
@@ -116,7 +117,9 @@ def qragged_dot(
     - `axes`: inside `jax.shard_map`, the mesh axes that shard the operands (a
       [`s3req.ShardAxes`][]): `batch` and `seq` split the rows (each shard passes its own
       rows, their `group_sizes` and their global ids), `d_in` the columns of `x` and axis 1
-      of `w`, `d_out` axis 2 of `w`. `None` under `jax.jit` sharding or unsharded.
+      of `w`, `d_out` axis 2 of `w`. `None` under `jax.jit` sharding or unsharded. On a
+      mesh of `AxisType.Explicit` axes the maths runs with those axes `Auto` and the product
+      is sharded as `x`'s rows and `w`'s last axis (docs/guides/scaling.md).
 
     (All but `x`, `w`, `group_sizes` are keyword only.)
 
@@ -129,8 +132,33 @@ def qragged_dot(
     zero dimension (no rows, features or experts) a `ValueError`.
     """
     _check(x, w, group_sizes, policy, key, row_id, example_id, num_examples)
-    n = x.shape[0]
     ax = NO_AXES if axes is None else axes
+
+    def product(x, w, group_sizes, key, row_id, example_id):
+        return _product(x, w, group_sizes, policy, key, row_id, example_id, num_examples, ax)
+
+    return on_auto_axes(
+        "s3req.qragged_dot", product, _explicit_plain, x, w, group_sizes, key, row_id, example_id
+    )
+
+
+def _explicit_plain(x, w, group_sizes, *_) -> Array:
+    """The float product on a mesh with Explicit axes, for its sharding: JAX infers none for
+    `ragged_dot`; the rows are sharded as `x`'s rows, the columns as `w`'s output axis."""
+    xs = tuple(jax.typeof(x).sharding.spec) + (None,) * 2
+    ws = tuple(jax.typeof(w).sharding.spec) + (None,) * 3
+    if xs[1] is not None or ws[1] is not None:
+        raise ValueError(
+            "s3req.qragged_dot: on a mesh with Explicit axes the contracted dimension is "
+            f"sharded (x: {P(*xs[:2])}, w: {P(*ws[:3])}), so the product's sharding is "
+            "ambiguous. Reshard an operand (`jax.sharding.reshard`), or call it inside "
+            "`jax.sharding.auto_axes(..., out_sharding=...)`."
+        )
+    return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes, out_sharding=P(xs[0], ws[2]))
+
+
+def _product(x, w, group_sizes, policy, key, row_id, example_id, num_examples, ax) -> Array:
+    n = x.shape[0]
     roles = ("batch", "seq", "d_in", "d_out")
     # The checks go on `group_sizes` and `example_id`, not on `x`: expert GEMMs of one `x`
     # then quantize it once (see `forward`).

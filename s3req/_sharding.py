@@ -1,9 +1,12 @@
-"""`ShardAxes`: which mesh axes shard the operands of a quantized matmul inside `shard_map`."""
+"""`ShardAxes`: which mesh axes shard the operands of a quantized matmul inside `shard_map`;
+`on_auto_axes`: the quantized matmuls on a mesh with `AxisType.Explicit` axes."""
 
 import typing
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
+from jax.sharding import AxisType
 from jaxtyping import Array
 
 from ._thresholds import Block
@@ -107,3 +110,45 @@ class ShardAxes(eqx.Module):
 
 NO_AXES = ShardAxes()
 """No sharded axes: the unsharded (or `jax.jit`-partitioned) computation."""
+
+
+def explicit_axes() -> tuple[str, ...]:
+    """The ambient mesh's `AxisType.Explicit` axes: none outside a mesh, on `Auto` axes, and
+    inside `jax.shard_map` over them (there they are `Manual`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit)
+
+
+def on_auto_axes(
+    name: str, fn: Callable[..., Array], plain: Callable[..., Array], *args, out_sharding=None
+) -> Array:
+    """`fn(*args)`; on a mesh with `Explicit` axes, run with those axes `Auto`
+    (`jax.sharding.auto_axes`) and the result sharded as `out_sharding`, by default as
+    `plain(*args)`'s (the float product the quantized one stands for).
+
+    Explicit sharding types every intermediate, and a contraction over a sharded dimension
+    must then be told its output's sharding: the engine's GEMMs, sums and reshapes would each
+    need one. On `Auto` axes XLA's partitioner chooses them, as under `jax.jit` with
+    `NamedSharding` inputs, and the gradients come back with the operands' shardings (the
+    transpose of `auto_axes`). Where `plain` itself has no defined output sharding (the
+    contracted dimension sharded), `name` raises a `ValueError` that says what to do; the
+    first two of `args` are the operands.
+    """
+    axes = explicit_axes()
+    if not axes:
+        return fn(*args)
+    if out_sharding is None:
+        try:
+            out_sharding = jax.eval_shape(plain, *args).sharding
+        except Exception as e:  # jax's ShardingTypeError, which jax does not export
+            if type(e).__name__ != "ShardingTypeError":
+                raise
+            specs = ", ".join(str(jax.typeof(a).sharding.spec) for a in args[:2])
+            raise ValueError(
+                f"{name}: on a mesh with Explicit axes the contracted dimension is sharded "
+                f"(operands {specs}), so the product's sharding is ambiguous. Reshard an "
+                "operand (`jax.sharding.reshard`), or call it inside "
+                "`jax.sharding.auto_axes(..., out_sharding=...)`."
+            ) from e
+    auto = jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_sharding)
+    return typing.cast(Array, auto(*args))

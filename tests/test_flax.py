@@ -241,3 +241,25 @@ def test_nnx_mlp_trains(getkey):
 
     losses = [float(step(model, optimizer)) for _ in range(30)]
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
+def test_nnx_linear_on_a_mesh_of_explicit_axes(getkey):
+    """`nnx.Linear` with `NnxDotGeneral` on `jax.make_mesh`'s default (Explicit) axes: the
+    kernel's gradient keeps its sharding and equals, bitwise, the one on Auto axes."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    x = jr.normal(getkey(), (8, 4, 16))
+    grads = []
+    for kind in (AxisType.Explicit, AxisType.Auto):
+        mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(kind, kind))
+        with jax.set_mesh(mesh):
+            rngs = nnx.Rngs(params=0, s3req=1)
+            layer = nnx.Linear(16, 32, dot_general=sflax.NnxDotGeneral(POLICY, rngs), rngs=rngs)
+            kernel = jax.device_put(layer.kernel[...], NamedSharding(mesh, P(None, "model")))
+            layer.kernel = nnx.Param(kernel)
+            xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+            grad = nnx.jit(nnx.grad(lambda m, x: jnp.sum(jnp.sin(m(x)))))(layer, xs)
+            grads.append(grad["kernel"][...])
+    np.testing.assert_array_equal(np.asarray(grads[0]), np.asarray(grads[1]))
+    assert jax.typeof(grads[0]).sharding.spec == P(None, "model")

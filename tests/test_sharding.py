@@ -3,6 +3,7 @@
 Runs on 8 host CPU devices (tests/conftest.py sets `--xla_force_host_platform_device_count=8`).
 """
 
+import functools
 import re
 
 import equinox as eqx
@@ -14,7 +15,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from policies import DxOnlyEC, Independent, Phi2D, PhiBcast, Policy, TwoWayEC
-from s3req import Block, gradient_codes, qdot, ShardAxes
+from s3req import Block, dot_general, gradient_codes, qdot, qragged_dot, QuantLinear, ShardAxes
 
 from .helpers import (
     ALL_POLICIES,
@@ -410,3 +411,126 @@ def test_one_shard_sum_per_gradient(kind, correction):
     sums = _shard_sums(fn, (*specs, P()), specs[:2], *args, key)
     wide = [s for s in sums if h in s[1]]
     assert sorted(wide) == sorted([(("tp",), dx_shape), (("fsdp",), dw_shape)]), sums
+
+
+def _on_mesh(kind, fn, specs, *args):
+    """`fn(*args)` jitted on a (4, 2) mesh of `kind` axes, the arrays placed with `specs`
+    (`None`: not an array)."""
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(kind, kind))
+    placed = [a if s is None else _put(a, mesh, s) for a, s in zip(args, specs)]
+    with jax.set_mesh(mesh):
+        return jax.jit(fn)(*placed)
+
+
+def _explicit_and_auto(fn, specs, *args):
+    return [_on_mesh(kind, fn, specs, *args) for kind in (AxisType.Explicit, AxisType.Auto)]
+
+
+def _spec(a) -> P:
+    """`a`'s partition spec without its trailing unsharded dimensions."""
+    spec = list(a.sharding.spec)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return P(*spec)
+
+
+def _same(explicit, auto):
+    for e, a in zip(jax.tree.leaves(explicit), jax.tree.leaves(auto)):
+        np.testing.assert_array_equal(np.asarray(e), np.asarray(a))
+
+
+@pytest.mark.parametrize(
+    "policy", [Policy(Phi2D(), TwoWayEC()), Policy(Independent())], ids=policy_id
+)
+def test_explicit_axes(policy, getkey):
+    """On a mesh of `AxisType.Explicit` axes (`jax.make_mesh`'s default) `qdot`, `QuantLinear`,
+    `dot_general` and `qragged_dot` run under `jax.jit` with the products and gradients
+    sharded as the float ones, bitwise equal to the same program on Auto axes."""
+    x, w, key = jr.normal(getkey(), (B, S, H)), jr.normal(getkey(), (H, D)), getkey()
+    xs, ws = P("fsdp"), P(None, "tp")
+
+    def grads(f):
+        def run(x, w, key):
+            y, pull = jax.vjp(lambda x, w: f(x, w, key), x, w)
+            return (y, *pull(jnp.cos(y)))
+
+        return run
+
+    products = {
+        "qdot": lambda x, w, k: qdot(x, w, policy=policy, key=k),
+        "QuantLinear": lambda x, w, k: eqx.tree_at(
+            lambda m: m.weight, QuantLinear(H, D, policy=policy, use_bias=False, key=jr.key(0)), w
+        )(x, key=k),
+        "dot_general": lambda x, w, k: dot_general(
+            x, w, (((2,), (0,)), ((), ())), policy=policy, key=k
+        ),
+    }
+    for name, f in products.items():
+        wspec = P("tp") if name == "QuantLinear" else ws
+        warg = w.T if name == "QuantLinear" else w
+        explicit, auto = _explicit_and_auto(grads(f), (xs, wspec, None), x, warg, key)
+        _same(explicit, auto)
+        y, dx, dw = explicit
+        assert _spec(y) == P("fsdp", None, "tp"), name
+        assert _spec(dx) == xs and _spec(dw) == wspec, name
+
+    B_ = 8
+    xp, gp, we, (order, gs), _, rows_per_example = _ragged_problem(getkey(), 1, B=B_)
+
+    def ragged(x, w, gs, order, key):
+        example_id = order // rows_per_example
+        return ragged_vjp(
+            policy, x, w, gs, jnp.cos(x @ w[0]), key, order, example_id, num_examples=B_
+        )
+
+    specs = (P("fsdp"), P(None, None, "tp"), None, None, None)
+    explicit, auto = _explicit_and_auto(ragged, specs, xp[order], we, gs, order, key)
+    _same(explicit, auto)
+    y, dx, dw = explicit
+    assert _spec(y) == P("fsdp", "tp")
+    assert _spec(dx) == P("fsdp") and _spec(dw) == P(None, None, "tp")
+
+
+SHARDED = r".*contracted dimension is sharded.*Reshard an operand"
+
+
+def test_explicit_axes_sharded_contraction(getkey):
+    """A contraction over a sharded dimension on Explicit axes: `qdot` and `qragged_dot`
+    raise a `ValueError` that says what to do; `dot_general` takes the `out_sharding` that
+    `jax.lax.dot_general` needs there (and refuses it on Auto axes)."""
+    policy = Policy(Phi2D(), TwoWayEC())
+    x, w, key = jr.normal(getkey(), (B, S, H)), jr.normal(getkey(), (H, D)), getkey()
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"))
+    xr, wr = _put(x, mesh, P("fsdp", None, "tp")), _put(w, mesh, P("tp"))
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match="s3req.qdot: " + SHARDED):
+            jax.jit(lambda x, w: qdot(x, w, policy=policy, key=key))(xr, wr)
+        with pytest.raises(ValueError, match="s3req.qragged_dot: " + SHARDED):
+            jax.jit(
+                lambda x, w: qragged_dot(
+                    x,
+                    w,
+                    jnp.array([B * S], jnp.int32),
+                    policy=policy,
+                    key=key,
+                    row_id=jnp.arange(B * S),
+                    example_id=jnp.arange(B * S) // S,
+                    num_examples=B,
+                )
+            )(xr.reshape(B * S, H), _put(w[None], mesh, P(None, "tp")))
+
+    dims = (((2,), (0,)), ((), ()))
+
+    def row_parallel(x, w, key, *, out=None):
+        y, pull = jax.vjp(
+            lambda x, w: dot_general(x, w, dims, policy=policy, key=key, out_sharding=out), x, w
+        )
+        return (y, *pull(jnp.cos(y)))
+
+    specs = (P("fsdp", None, "tp"), P("tp"), None)
+    to_batch = functools.partial(row_parallel, out=P("fsdp"))
+    explicit = _on_mesh(AxisType.Explicit, to_batch, specs, x, w, key)
+    _same(explicit, _on_mesh(AxisType.Auto, row_parallel, specs, x, w, key))
+    assert _spec(explicit[0]) == P("fsdp")
+    with pytest.raises(ValueError, match="applies on a mesh with Explicit axes only"):
+        _on_mesh(AxisType.Auto, to_batch, specs, x, w, key)
