@@ -38,7 +38,7 @@ import jax.tree_util as jtu
 import numpy as np
 import optax
 
-from s3req._optim import adam_8bit, apply_updates_sr, tree_bytes
+from s3req import adam_8bit, apply_updates_sr, tree_bytes
 from s3req.train import (
     build_model,
     evaluate,
