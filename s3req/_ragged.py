@@ -16,7 +16,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ._backward import Check, MAX_TERMS, passed, quantized_matmul, Ragged
 from ._interfaces import AbstractPolicy
 from ._qdot import check_key
-from ._sharding import NO_AXES, on_auto_axes, ShardAxes
+from ._sharding import NO_AXES, on_auto_axes, ShardAxes, sharded_contraction
 
 
 _I32 = jnp.int32
@@ -148,16 +148,12 @@ def _explicit_plain(x, w, group_sizes, *_) -> Array:
     xs = tuple(jax.typeof(x).sharding.spec) + (None,) * 2
     ws = tuple(jax.typeof(w).sharding.spec) + (None,) * 3
     if xs[1] is not None or ws[1] is not None:
-        raise ValueError(
-            "s3req.qragged_dot: on a mesh with Explicit axes the contracted dimension is "
-            f"sharded (x: {P(*xs[:2])}, w: {P(*ws[:3])}), so the product's sharding is "
-            "ambiguous. Reshard an operand (`jax.sharding.reshard`), or call it inside "
-            "`jax.sharding.auto_axes(..., out_sharding=...)`."
-        )
+        raise sharded_contraction("s3req.qragged_dot", x, w)
     return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes, out_sharding=P(xs[0], ws[2]))
 
 
 def _product(x, w, group_sizes, policy, key, row_id, example_id, num_examples, ax) -> Array:
+    """`qragged_dot` after its trace-time checks: the routing checks and the engine."""
     n = x.shape[0]
     roles = ("batch", "seq", "d_in", "d_out")
     # The checks go on `group_sizes` and `example_id`, not on `x`: expert GEMMs of one `x`

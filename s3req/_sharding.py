@@ -119,6 +119,18 @@ def explicit_axes() -> tuple[str, ...]:
     return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit)
 
 
+def sharded_contraction(name: str, *operands: Array) -> ValueError:
+    """The error of a product whose contracted dimension is sharded on a mesh of Explicit
+    axes, naming the operands' shardings."""
+    specs = ", ".join(str(jax.typeof(a).sharding.spec) for a in operands)
+    return ValueError(
+        f"{name}: on a mesh with Explicit axes the contracted dimension is sharded (operands "
+        f"{specs}), so the product's sharding is ambiguous. Reshard an operand "
+        "(`jax.sharding.reshard`), or call it inside "
+        "`jax.sharding.auto_axes(..., out_sharding=...)`."
+    )
+
+
 def on_auto_axes(
     name: str, fn: Callable[..., Array], plain: Callable[..., Array], *args, out_sharding=None
 ) -> Array:
@@ -143,12 +155,6 @@ def on_auto_axes(
         except Exception as e:  # jax's ShardingTypeError, which jax does not export
             if type(e).__name__ != "ShardingTypeError":
                 raise
-            specs = ", ".join(str(jax.typeof(a).sharding.spec) for a in args[:2])
-            raise ValueError(
-                f"{name}: on a mesh with Explicit axes the contracted dimension is sharded "
-                f"(operands {specs}), so the product's sharding is ambiguous. Reshard an "
-                "operand (`jax.sharding.reshard`), or call it inside "
-                "`jax.sharding.auto_axes(..., out_sharding=...)`."
-            ) from e
+            raise sharded_contraction(name, *args[:2]) from e
     auto = jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_sharding)
     return typing.cast(Array, auto(*args))
