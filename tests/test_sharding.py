@@ -534,3 +534,35 @@ def test_explicit_axes_sharded_contraction(getkey):
     assert _spec(explicit[0]) == P("fsdp")
     with pytest.raises(ValueError, match="applies on a mesh with Explicit axes only"):
         _on_mesh(AxisType.Auto, to_batch, specs, x, w, key)
+
+
+def test_explicit_axes_at_a_realistic_shape(getkey):
+    """The qdot page's layer `(4, 256, 1024) @ (1024, 4096)` and an expert GEMM of 1024 routed
+    rows over 8 experts `(1024, 1024) x (8, 1024, 512)`, two-way EC, on Explicit axes:
+    bitwise the Auto-axes program, sharded as the float products."""
+    policy = Policy(Phi2D(), TwoWayEC())
+    x, w, key = jr.normal(getkey(), (4, 256, 1024)), jr.normal(getkey(), (1024, 4096)), getkey()
+
+    def dense(x, w, key):
+        y, pull = jax.vjp(lambda x, w: qdot(x, w, policy=policy, key=key), x, w)
+        return (y, *pull(jnp.cos(y)))
+
+    explicit, auto = _explicit_and_auto(dense, (P("fsdp"), P(None, "tp"), None), x, w, key)
+    _same(explicit, auto)
+    assert [_spec(a) for a in explicit] == [P("fsdp", None, "tp"), P("fsdp"), P(None, "tp")]
+
+    n, E, per_example = 1024, 8, 128
+    xe, we = jr.normal(getkey(), (n, 1024)), jr.normal(getkey(), (E, 1024, 512))
+    gs = jnp.full((E,), n // E, jnp.int32)
+    rows = jr.permutation(getkey(), n).astype(jnp.int32)  # global (token, slot) ids
+
+    def ragged(x, w, gs, rows, key):
+        g = jnp.cos(x @ w[0])  # sharded as the product, on either kind of axes
+        return ragged_vjp(
+            policy, x, w, gs, g, key, rows, rows // per_example, num_examples=n // per_example
+        )
+
+    specs = (P("fsdp"), P(None, None, "tp"), None, None, None)
+    explicit, auto = _explicit_and_auto(ragged, specs, xe, we, gs, rows, key)
+    _same(explicit, auto)
+    assert [_spec(a) for a in explicit] == [P("fsdp", "tp"), P("fsdp"), P(None, None, "tp")]
