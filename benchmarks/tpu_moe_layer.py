@@ -13,6 +13,8 @@ v5p 2x2x1 (no TPU is used; needs libtpu, `pip install "s3req[tpu]"`). Two layout
   `psum`med over the chips);
 - `jit`: the rows sharded over the chips by `jax.jit` (`NamedSharding`), one global
   `group_sizes` (XLA then computes the ragged GEMMs on all rows on every chip);
+- `explicit`: as `jit`, on a mesh of `AxisType.Explicit` axes (`jax.make_mesh`'s default),
+  where `qragged_dot` itself runs the GEMMs per chip inside `jax.shard_map`;
 - `shard_map_tp`: the chips as `data=2 x tp=2`, each `data` shard holding the rows of two
   chips inside `shard_map`, the features split over `tp` as the FFN splits them (`up`
   column-parallel, `ShardAxes(batch="data", d_out="tp")`; `down` row-parallel, `d_in="tp"`),
@@ -35,11 +37,12 @@ import argparse
 import json
 import pathlib
 import sys
+from contextlib import nullcontext
 
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -56,6 +59,7 @@ POLICIES = ("rtne", "s3r", "s3r-ec-dx", "s3r-ec-2way")
 EXPERTS, TOP_K, D_MODEL, D_EXPERT = 128, 8, 2048, 768  # Qwen3-30B-A3B
 PER_CHIP, SEQ = 4, 4096  # sequences per chip, tokens per sequence
 GEMMS = {"up": (D_MODEL, D_EXPERT), "down": (D_EXPERT, D_MODEL)}
+KEY_DTYPE = jr.key(0).dtype  # made here, outside the TPU mesh context
 
 
 def compile_gemm(
@@ -77,7 +81,7 @@ def compile_gemm(
     chips = mesh.devices.size
     total = per_chip * chips * seq * TOP_K  # rows of all chips
     B = per_chip * chips
-    key = jax.ShapeDtypeStruct((), jr.key(0).dtype)
+    key = jax.ShapeDtypeStruct((), KEY_DTYPE)
     tp = "tp" if mode == "shard_map_tp" else None
     x_cols = tp if tp_role == "d_in" else None
     w_spec = P(None, tp, None) if tp_role == "d_in" else P(None, None, tp)
@@ -110,7 +114,7 @@ def compile_gemm(
     run = lambda fn, gs: compile_for_tpu(
         fn, x, w, g, gs, ids, key, mesh=mesh, upstream=[g], buffers=packing
     )
-    if mode == "jit":
+    if mode in ("jit", "explicit"):
         return run(fwd_bwd, jax.ShapeDtypeStruct((experts,), jnp.int32))
     shards = mesh.shape["data"]
     gs = sds((experts * shards,), jnp.int32, P("data"))
@@ -130,7 +134,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--gemms", default="up,down")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--mode", choices=("shard_map", "jit", "shard_map_tp"), default="shard_map")
+    ap.add_argument(
+        "--mode", choices=("shard_map", "jit", "explicit", "shard_map_tp"), default="shard_map"
+    )
     ap.add_argument(
         "--kernels",
         choices=("auto", "reference", "tpu"),
@@ -149,15 +155,21 @@ def main(argv: list[str] | None = None) -> dict:
     backward.KERNELS = args.kernels
     axes = {"data": 2, "tp": 2} if args.mode == "shard_map_tp" else None
     mesh = tpu_mesh(axes, topology=TOPOLOGY)
+    if args.mode == "explicit":
+        types = (AxisType.Explicit,) * len(mesh.axis_names)
+        mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=types)
     per_chip, seq, experts = (1, 256, 16) if args.smoke else (PER_CHIP, args.seq, EXPERTS)
     results = {}
     for gemm in args.gemms.split(","):
         h, d = (256, 128) if args.smoke else GEMMS[gemm]
         for p in args.policies.split(","):
             role = "d_out" if gemm == "up" else "d_in"  # column / row parallel, as the FFN
-            prog = compile_gemm(
-                p, mesh, h, d, per_chip, seq, experts, args.mode, args.packing, role
-            )
+            # `explicit`: the ambient mesh, whose axis types `qragged_dot` reads
+            explicit = args.mode == "explicit"
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if explicit else nullcontext():
+                prog = compile_gemm(
+                    p, mesh, h, d, per_chip, seq, experts, args.mode, args.packing, role
+                )
             m = prog.memory
             row = {
                 "temporaries_mib": m.temporaries / 2**20,

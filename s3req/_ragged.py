@@ -8,15 +8,25 @@ sorted position, and the error correction runs over `(example, expert)` segments
 examples.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._backward import Check, MAX_TERMS, passed, quantized_matmul, Ragged
+from ._gemms import chunk_group_sizes
 from ._interfaces import AbstractPolicy
 from ._qdot import check_key
-from ._sharding import NO_AXES, on_auto_axes, ShardAxes, sharded_contraction
+from ._sharding import (
+    axis_names,
+    explicit_axes,
+    NO_AXES,
+    on_auto_axes,
+    ShardAxes,
+    sharded_contraction,
+)
 
 
 _I32 = jnp.int32
@@ -118,8 +128,11 @@ def qragged_dot(
       [`s3req.ShardAxes`][]): `batch` and `seq` split the rows (each shard passes its own
       rows, their `group_sizes` and their global ids), `d_in` the columns of `x` and axis 1
       of `w`, `d_out` axis 2 of `w`. `None` under `jax.jit` sharding or unsharded. On a
-      mesh of `AxisType.Explicit` axes the maths runs with those axes `Auto` and the product
-      is sharded as `x`'s rows and `w`'s last axis (docs/guides/scaling.md).
+      mesh of `AxisType.Explicit` axes the product is sharded as `x`'s rows and `w`'s last
+      axis: where `x`'s rows are split (in equal blocks) and neither the contracted
+      dimension nor the experts are, `qragged_dot` runs inside `jax.shard_map` with these
+      `ShardAxes` itself, each shard taking its block of the global `group_sizes`;
+      elsewhere with the mesh's axes `Auto` (docs/guides/scaling.md).
 
     (All but `x`, `w`, `group_sizes` are keyword only.)
 
@@ -132,14 +145,61 @@ def qragged_dot(
     zero dimension (no rows, features or experts) a `ValueError`.
     """
     _check(x, w, group_sizes, policy, key, row_id, example_id, num_examples)
+    args = (x, w, group_sizes, key, row_id, example_id)
+    split = _rows_split(x, w) if axes is None else None
+    if split is not None:
+        return _per_shard(split, policy, num_examples, *args)
     ax = NO_AXES if axes is None else axes
 
     def product(x, w, group_sizes, key, row_id, example_id):
         return _product(x, w, group_sizes, policy, key, row_id, example_id, num_examples, ax)
 
-    return on_auto_axes(
-        "s3req.qragged_dot", product, _explicit_plain, x, w, group_sizes, key, row_id, example_id
-    )
+    return on_auto_axes("s3req.qragged_dot", product, _explicit_plain, *args)
+
+
+def _rows_split(x, w) -> ShardAxes | None:
+    """On a mesh of Explicit axes, the `ShardAxes` that run the expert GEMM per shard where
+    `x`'s rows are split over Explicit axes (into equal blocks) and neither the contracted
+    dimension nor `w`'s experts are (the rows as `batch`, `w`'s output axis as `d_out`);
+    `None` elsewhere (`jax.jit` partitions the program there)."""
+    explicit = explicit_axes()
+    if not explicit:
+        return None
+    xs = tuple(jax.typeof(x).sharding.spec) + (None,) * 2
+    ws = tuple(jax.typeof(w).sharding.spec) + (None,) * 3
+    rows, cols = axis_names(xs[0]), axis_names(ws[2])
+    mesh = jax.sharding.get_abstract_mesh()
+    if (
+        not rows
+        or xs[1] is not None
+        or ws[0] is not None
+        or ws[1] is not None
+        or not set(rows + cols) <= set(explicit)
+        or set(rows) & set(cols)
+        or x.shape[0] % math.prod(mesh.shape[a] for a in rows)
+    ):
+        return None
+    return ShardAxes(batch=xs[0], d_out=ws[2])
+
+
+def _per_shard(axes: ShardAxes, policy, num_examples, *args) -> Array:
+    """The expert GEMM of `args` (`x, w, group_sizes, key, row_id, example_id`) inside
+    `jax.shard_map` over the ambient mesh, split as `axes` (`_rows_split`) says: each shard
+    multiplies its own block of rows, where `jax.jit`'s partitioner gathers every row to
+    every chip for a ragged GEMM."""
+    rows = P(axes.batch)
+
+    def local(x, w, group_sizes, key, row_id, example_id):
+        lo = axes.index("batch") * x.shape[0]
+        return _product(
+            x, w, group_sizes, policy, key, row_id, example_id, num_examples, axes, lo=lo
+        )
+
+    specs = (rows, P(None, None, axes.d_out), P(), P(), rows, rows)
+    # On Explicit axes `shard_map` takes each input only as its `in_specs` entry shards it.
+    args = tuple(a if a is None else jax.sharding.reshard(a, s) for a, s in zip(args, specs))
+    mesh, out = jax.sharding.get_abstract_mesh(), P(axes.batch, axes.d_out)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out)(*args)
 
 
 def _explicit_plain(x, w, group_sizes, *_) -> Array:
@@ -152,20 +212,28 @@ def _explicit_plain(x, w, group_sizes, *_) -> Array:
     return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes, out_sharding=P(xs[0], ws[2]))
 
 
-def _product(x, w, group_sizes, policy, key, row_id, example_id, num_examples, ax) -> Array:
-    """`qragged_dot` after its trace-time checks: the routing checks and the engine."""
+def _product(
+    x, w, group_sizes, policy, key, row_id, example_id, num_examples, ax, lo=None
+) -> Array:
+    """`qragged_dot` after its trace-time checks: the routing checks and the engine. With
+    `lo`, `x` is the block of rows from `lo` on of the rows `group_sizes` counts, split over
+    `ax`'s `batch` axes in equal blocks (`_per_shard`)."""
     n = x.shape[0]
+    total = n if lo is None else n * ax.size("batch")
     roles = ("batch", "seq", "d_in", "d_out")
     # The checks go on `group_sizes` and `example_id`, not on `x`: expert GEMMs of one `x`
     # then quantize it once (see `forward`).
     group_sizes = group_sizes.astype(_I32)
     checks = [
         Check(
-            (jnp.sum(group_sizes) != n) | jnp.any(group_sizes < 0),
+            (jnp.sum(group_sizes) != total) | jnp.any(group_sizes < 0),
             roles,
-            f"s3req.qragged_dot: group_sizes must be non-negative and sum to the {n} rows of x.",
+            f"s3req.qragged_dot: group_sizes must be non-negative and sum to the {total} rows "
+            "of x.",
         )
     ]
+    if lo is not None:
+        group_sizes = chunk_group_sizes(group_sizes, lo, lo + n)
     if policy is None:
         y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes * passed(checks, ax, _I32))
         return ax.psum(y, "d_in")

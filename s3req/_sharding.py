@@ -16,7 +16,8 @@ AxisNames = str | tuple[str, ...] | None
 Role = typing.Literal["batch", "seq", "d_in", "d_out"]
 
 
-def _names(axes: AxisNames) -> tuple[str, ...]:
+def axis_names(axes: AxisNames) -> tuple[str, ...]:
+    """The mesh axis names of one entry of a `PartitionSpec` or `ShardAxes` role, in order."""
     if axes is None:
         return ()
     return (axes,) if isinstance(axes, str) else tuple(axes)
@@ -61,26 +62,26 @@ class ShardAxes(eqx.Module):
     def __check_init__(self):
         seen: list[str] = []
         for role in ("batch", "seq", "d_in", "d_out"):
-            for n in _names(getattr(self, role)):
+            for n in axis_names(getattr(self, role)):
                 if n in seen:
                     raise ValueError(f"ShardAxes: mesh axis {n!r} is used for two dimensions.")
                 seen.append(n)
 
     def names(self, *roles: Role) -> tuple[str, ...]:
         """The mesh axis names of the given roles, in order."""
-        return tuple(n for r in roles for n in _names(getattr(self, r)))
+        return tuple(n for r in roles for n in axis_names(getattr(self, r)))
 
     def size(self, role: Role) -> int:
         """How many shards split `role` (1 if unsharded)."""
         n = 1
-        for name in _names(getattr(self, role)):
+        for name in axis_names(getattr(self, role)):
             n *= jax.lax.axis_size(name)
         return n
 
     def index(self, role: Role) -> Array | int:
         """This shard's index along `role`, axes linearized major to minor (0 if unsharded)."""
         idx: Array | int = 0
-        for name in _names(getattr(self, role)):
+        for name in axis_names(getattr(self, role)):
             idx = idx * jax.lax.axis_size(name) + jax.lax.axis_index(name)
         return idx
 

@@ -302,6 +302,25 @@ def test_benchmark_smoke(tmp_path):
     assert "python benchmarks/tpu_compile.py" in (tmp_path / "tpu_table4.md").read_text()
 
 
+@needs_libtpu
+def test_v5p_expert_gemm_on_explicit_axes_runs_per_chip():
+    """`benchmarks/tpu_moe_layer.py --smoke`: `qragged_dot` under `jax.jit` on a mesh of
+    Explicit axes, its rows split over the chips, compiles to the memory of the same GEMM
+    inside `shard_map` (it runs per shard), where on Auto axes XLA gathers every row to every
+    chip (the models guide's table, at full size)."""
+    _benchmark()  # puts benchmarks/ on the path
+    import tpu_moe_layer
+
+    temps = {
+        mode: tpu_moe_layer.main(
+            ["--smoke", "--gemms", "up", "--policies", "s3r-ec-2way", "--mode", mode]
+        )["up/s3r-ec-2way"]["temporaries_mib"]
+        for mode in ("explicit", "shard_map", "jit")
+    }
+    assert temps["explicit"] <= 1.01 * temps["shard_map"], temps
+    assert 2 * temps["explicit"] < temps["jit"], temps
+
+
 def _row(temporaries: int, peak: int | None, args: int = 2**30) -> dict:
     """A compiled program's JSON row as the benchmark stores it (no compile)."""
     memory = {"arguments": args, "outputs": args, "temporaries": temporaries, "aliased": 0}
