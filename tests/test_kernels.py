@@ -66,8 +66,11 @@ def _vjp(policy, x, w, g, key, transposed):
 POLICIES = ALL_POLICIES + [Policy(Phi2D(), TwoWayEC(), fmt=MXFP4)]
 
 
+SHAPES = [(3, 16, 48, 64), (1, 32, 32, 64)]
+
+
 @pytest.mark.parametrize("policy", POLICIES, ids=policy_id)
-@pytest.mark.parametrize("shape", [(3, 16, 48, 64), (1, 32, 32, 64)], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_cpu_kernel_agrees_with_reference(policy, shape, getkey):
     B, S, H, D = shape
     x = jr.normal(getkey(), (B, S, H), jnp.bfloat16)
@@ -87,10 +90,12 @@ def test_cpu_kernel_agrees_with_reference(policy, shape, getkey):
             ulp = 2.0**-7 * np.abs(a)  # dX is bf16 here, dW float32
             bound = 2.0**-16 * np.abs(a).max() + (ulp if a.shape == x.shape else 0)
             assert np.all(np.abs(a - b) <= bound), np.abs(a - b).max()
-    # On this CPU, "auto" lowers the CPU kernel: bit for bit the same program's values.
-    auto = _grads(policy, x, w, g, key, "auto")
-    for a, b in zip(auto, cpu):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # On this CPU, "auto" lowers the CPU kernel: bit for bit the same program's values (at
+    # one shape: the choice of kernel does not depend on it).
+    if shape == SHAPES[0]:
+        auto = _grads(policy, x, w, g, key, "auto")
+        for a, b in zip(auto, cpu):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["w", "w_t"])
