@@ -6,7 +6,7 @@ The expert GEMMs of Qwen3-30B-A3B (128 experts, top-8, `d_model` 2048, `d_expert
 `(n, 768) @ w (128, 768, 2048)`, with 4 x 4096 tokens per chip (n = 131072 rows per chip),
 the rows of every chip routed to the top-8 of random logits and sorted by expert, bf16
 activations and upstream gradient, float32 weights, compiled ahead of time for the 4 chips of
-v5p 2x2x1 (no TPU is used; needs libtpu, `pip install "s3req[tpu]"`). Two layouts:
+v5p 2x2x1 (no TPU is used; needs libtpu, `pip install "s3req[tpu]"`). The layouts (`--mode`):
 
 - `shard_map` (default): each chip holds its own rows inside `jax.shard_map`
   (`ShardAxes(batch="data")`; the error-correction sums over `(example, expert)` segments are
@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
     backward.KERNELS = args.kernels
     axes = {"data": 2, "tp": 2} if args.mode == "shard_map_tp" else None
     mesh = tpu_mesh(axes, topology=TOPOLOGY)
-    if args.mode == "explicit":
+    explicit = args.mode == "explicit"
+    if explicit:
         types = (AxisType.Explicit,) * len(mesh.axis_names)
         mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=types)
     per_chip, seq, experts = (1, 256, 16) if args.smoke else (PER_CHIP, args.seq, EXPERTS)
@@ -165,7 +166,6 @@ def main(argv: list[str] | None = None) -> dict:
         for p in args.policies.split(","):
             role = "d_out" if gemm == "up" else "d_in"  # column / row parallel, as the FFN
             # `explicit`: the ambient mesh, whose axis types `qragged_dot` reads
-            explicit = args.mode == "explicit"
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if explicit else nullcontext():
                 prog = compile_gemm(
                     p, mesh, h, d, per_chip, seq, experts, args.mode, args.packing, role

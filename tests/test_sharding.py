@@ -615,7 +615,7 @@ def test_explicit_axes_expert_rows_per_shard(getkey):
             jaxpr = str(jax.make_jaxpr(jax.grad(lambda x, w, gs: jnp.sum(f(x, w, gs))))(*args))
             assert ("shard_map" in jaxpr) == per_shard, (xs, ws)
         xr, wr = _put(x, mesh, P("fsdp")), _put(w, mesh, P(None, None, "tp"))
-        # too many rows: the last shard's block alone would still sum to its 16 rows
+        # more rows than x's (each shard's block alone still sums to its 16), fewer, negative
         for bad in ([10, 30, 0, 30], [10, 30, 0, 20], [10, 30, -2, 26]):
             with pytest.raises(RuntimeError, match="sum to the 64 rows of x"):
                 jax.block_until_ready(jax.jit(f)(xr, wr, jnp.array(bad, jnp.int32)))
