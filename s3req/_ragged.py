@@ -157,6 +157,14 @@ def qragged_dot(
     return on_auto_axes("s3req.qragged_dot", product, _explicit_plain, *args)
 
 
+def _specs(x, w) -> tuple[tuple, tuple]:
+    """The partition specs of `x` `(n, d_in)` and `w` `(n_experts, d_in, d_out)` on a mesh of
+    Explicit axes, one entry per dimension (`None`: not split)."""
+    xs = tuple(jax.typeof(x).sharding.spec) + (None,) * 2
+    ws = tuple(jax.typeof(w).sharding.spec) + (None,) * 3
+    return xs[:2], ws[:3]
+
+
 def _rows_split(x, w) -> ShardAxes | None:
     """On a mesh of Explicit axes, the `ShardAxes` that run the expert GEMM per shard where
     `x`'s rows are split over Explicit axes (into equal blocks) and neither the contracted
@@ -165,8 +173,7 @@ def _rows_split(x, w) -> ShardAxes | None:
     explicit = explicit_axes()
     if not explicit:
         return None
-    xs = tuple(jax.typeof(x).sharding.spec) + (None,) * 2
-    ws = tuple(jax.typeof(w).sharding.spec) + (None,) * 3
+    xs, ws = _specs(x, w)
     rows, cols = axis_names(xs[0]), axis_names(ws[2])
     mesh = jax.sharding.get_abstract_mesh()
     if (
@@ -205,8 +212,7 @@ def _per_shard(axes: ShardAxes, policy, num_examples, *args) -> Array:
 def _explicit_plain(x, w, group_sizes, *_) -> Array:
     """The float product on a mesh with Explicit axes, for its sharding: JAX infers none for
     `ragged_dot`; the rows are sharded as `x`'s rows, the columns as `w`'s output axis."""
-    xs = tuple(jax.typeof(x).sharding.spec) + (None,) * 2
-    ws = tuple(jax.typeof(w).sharding.spec) + (None,) * 3
+    xs, ws = _specs(x, w)
     if xs[1] is not None or ws[1] is not None:
         raise sharded_contraction("s3req.qragged_dot", x, w)
     return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes, out_sharding=P(xs[0], ws[2]))

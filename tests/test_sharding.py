@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from policies import DxOnlyEC, Independent, Phi2D, PhiBcast, Policy, TwoWayEC
+from policies import DxOnlyEC, Independent, Nearest, Phi2D, PhiBcast, Policy, TwoWayEC
 from s3req import Block, dot_general, gradient_codes, qdot, qragged_dot, QuantLinear, ShardAxes
 
 from .helpers import (
@@ -440,10 +440,11 @@ def _same(explicit, auto):
 
 
 SHARD_SUMS = 2.0**-20
-"""Expert GEMMs on Explicit axes with their rows split run per shard (`shard_map`), the Auto
-program under GSPMD: `(y, dX, dW)` agree but for the order in which the shards' float32
-partial sums are added (dW over the row shards, dX over the `d_out` shards), within this
-fraction of the largest value (measured about `2**-23`: a few float32 roundings)."""
+"""Expert GEMMs on Explicit axes with their rows split run per shard (`shard_map`); the Auto
+program under GSPMD, or the unsharded one, does not: `(y, dX, dW)` agree but for the order in
+which the shards' float32 partial sums are added (dW over the row shards, dX over the `d_out`
+shards), within this fraction of the largest value (measured about `2**-23`: a few float32
+roundings); `y` bitwise."""
 
 
 def _per_shard_agrees(explicit, auto):
@@ -587,8 +588,9 @@ def test_explicit_axes_at_a_realistic_shape(getkey):
 
 def test_explicit_axes_expert_rows_per_shard(getkey):
     """On Explicit axes `qragged_dot` runs the expert GEMM per shard (`shard_map`) where `x`'s
-    rows are split and neither the contraction nor the experts are; elsewhere under
-    `auto_axes`. Each shard takes its block of the global `group_sizes`, which are checked
+    rows are split (over one axis or two) and neither the contraction nor the experts are;
+    elsewhere under `auto_axes`. Per shard it agrees with the unsharded product for every
+    kind of policy. Each shard takes its block of the global `group_sizes`, which are checked
     whole: a count that does not sum to all the rows raises, though every shard's block of
     rows is whole."""
     policy = Policy(Phi2D(), TwoWayEC())
@@ -597,13 +599,22 @@ def test_explicit_axes_expert_rows_per_shard(getkey):
     rows = jnp.arange(n, dtype=jnp.int32)
     key = getkey()
 
-    def f(x, w, gs):
+    def f(x, w, gs, p=policy):
         return qragged_dot(
-            x, w, gs, policy=policy, key=key, row_id=rows, example_id=rows // 8, num_examples=8
+            x, w, gs, policy=p, key=key, row_id=rows, example_id=rows // 8, num_examples=8
         )
 
-    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"))
     gs = jnp.array([10, 30, 0, 24], jnp.int32)
+
+    def grads(p, x, w):
+        y, pull = jax.vjp(lambda x, w: f(x, w, gs, p), x, w)
+        return (y, *pull(jnp.cos(y)))
+
+    whole = {
+        policy_id(p): jax.jit(functools.partial(grads, p))(x, w)
+        for p in (None, Policy(Nearest()), policy)
+    }
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"))
     with jax.set_mesh(mesh):
         for xs, ws, per_shard in (
             (P("fsdp"), P(None, None, "tp"), True),
@@ -614,6 +625,14 @@ def test_explicit_axes_expert_rows_per_shard(getkey):
             args = (_put(x, mesh, xs), _put(w, mesh, ws), gs)
             jaxpr = str(jax.make_jaxpr(jax.grad(lambda x, w, gs: jnp.sum(f(x, w, gs))))(*args))
             assert ("shard_map" in jaxpr) == per_shard, (xs, ws)
+        # per shard, every kind of policy (float, round-to-nearest without row ids, EC) and
+        # rows over one axis or two agree with the unsharded product but for the shard sums
+        for p in (None, Policy(Nearest()), policy):
+            for xs, ws in ((P("fsdp"), P(None, None, "tp")), (P(("fsdp", "tp")), P())):
+                sharded = jax.jit(functools.partial(grads, p))(
+                    _put(x, mesh, xs), _put(w, mesh, ws)
+                )
+                _per_shard_agrees(sharded, whole[policy_id(p)])
         xr, wr = _put(x, mesh, P("fsdp")), _put(w, mesh, P(None, None, "tp"))
         # more rows than x's (each shard's block alone still sums to its 16), fewer, negative
         for bad in ([10, 30, 0, 30], [10, 30, 0, 20], [10, 30, -2, 26]):
