@@ -99,6 +99,9 @@ PAPER_STEP_GB = {
 # <= +5% and two-way <= +14% temporaries over S3R; on a dense step two-way <= +0.4 GB; the
 # MoE steps' EC surplus within 2x of the dense steps'.
 TARGET_DX_PCT, TARGET_TWO_WAY_PCT, TARGET_MOE_RATIO = 5.0, 14.0, 2.0
+FULL_DEPTH_PER_CHIP = 1
+"""Sequences per chip of the MoE models' steps at their real depth (`--parts full`): at Table
+IV's 4 the compiler refuses them (the page says so and compiles a layer cut)."""
 # Table III (measured on v5p): speed-up over BF16 of INT8 RTNE, Independent SR and S3R, and
 # the device-time overhead (%) of two-way and dX-only S3R-EC over S3R, per shape.
 PAPER_TABLE3 = {
@@ -286,6 +289,26 @@ def split_facts(prog: TPUProgram, cfg, batch: int, seq: int) -> dict:
     }
 
 
+def _step_row(prog: TPUProgram, cfg, batch: int, seq: int) -> dict:
+    """A compiled training step's JSON row: memory, program facts, engine commit, split check."""
+    return {
+        "memory": prog.summary()["memory"],
+        "fusions": prog.fusions,
+        "n_integer_gemms": len(prog.integer_gemms()),
+        "largest_u32": prog.summary()["largest_u32"],
+        "compile_seconds": prog.compile_seconds,
+        "commit": _commit(),
+        "split_check": split_facts(prog, cfg, batch, seq),
+    }
+
+
+def _refused(e: Exception) -> str | None:
+    """The compiler's sentence if `e` is its refusal of a program too large for a chip's HBM."""
+    if isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e):
+        return _exhausted(str(e))
+    return None
+
+
 def _exhausted(message: str) -> str:
     """The compiler's sentence on the memory a refused program needs, from its error."""
     for line in message.splitlines():
@@ -324,7 +347,7 @@ def _drop_rows(data: dict, commits: set[str], parts: list[str]) -> dict:
 
     if "layer" in data and "layer" in parts:
         data["layer"] = keep(data["layer"], "layer")
-    for group, part in (("ffn", "ffn"), ("models", "table4")):
+    for group, part in (("ffn", "ffn"), ("models", "table4"), ("full_depth", "full")):
         if part not in parts:
             continue
         for name in list(data.get(group, {})):
@@ -377,7 +400,9 @@ def main(argv: list[str] | None = None) -> dict:
         "separated; rows of a superseded engine) from the parts of --drop-parts; the pages "
         "name the removed rows until they are recompiled",
     )
-    ap.add_argument("--drop-parts", default="layer,ffn,table4", help="parts --drop-commit prunes")
+    ap.add_argument(
+        "--drop-parts", default="layer,ffn,table4,full", help="parts --drop-commit prunes"
+    )
     args = ap.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -423,12 +448,13 @@ def main(argv: list[str] | None = None) -> dict:
                 data["meta"] = _meta(kind)
                 _save(out, "tpu_compile", data, markdown)
                 log(f"ffn {w} {p}: temp {prog.memory.temporaries / 2**20:.1f} MiB")
-    if "table4" in parts:
-        mesh2 = tpu_mesh({"fsdp": 2, "tp": 2}, topology=TOPOLOGY)
-        t4data = _load(out / "tpu_table4.json")
-        t4data.setdefault("models", {})
+    mesh2 = tpu_mesh({"fsdp": 2, "tp": 2}, topology=TOPOLOGY)
+    t4data = _load(out / "tpu_table4.json")
+    names = {v: k for k, v in TABLE4_MODELS.items()}
+    if {"table4", "full"} & set(parts):
         t4data["smoke"] = args.smoke
-        names = {v: k for k, v in TABLE4_MODELS.items()}
+    if "table4" in parts:
+        t4data.setdefault("models", {})
         presets = ["tiny"] if args.smoke else args.models.split(",")
         for preset in presets:
             label = names.get(preset, preset)
@@ -439,18 +465,18 @@ def main(argv: list[str] | None = None) -> dict:
                 try:
                     prog, cfg, batch = compile_step(p, mesh2, preset, depth, seq, per_chip)
                 except jax.errors.JaxRuntimeError as e:
-                    if "RESOURCE_EXHAUSTED" not in str(e):
+                    if (why := _refused(e)) is None:
                         raise
                     # The compiler refuses a program that needs more than a chip's HBM:
                     # the page says so, and a layer cut (`--layers`) is compiled instead.
                     t4data.setdefault("refused", {})[label] = {
                         "n_layers": depth,
                         "policy": p,
-                        "message": _exhausted(str(e)),
+                        "message": why,
                         "commit": _commit(),
                     }
                     _save(out, "tpu_table4", t4data, markdown_table4)
-                    log(f"table4 {label} at {depth} layers refused: {_exhausted(str(e))}")
+                    log(f"table4 {label} at {depth} layers refused: {why}")
                     break
                 check_split(prog, cfg, batch, seq, f"table4 {label} {p}")
                 m = t4data["models"].setdefault(label, {})
@@ -468,23 +494,49 @@ def main(argv: list[str] | None = None) -> dict:
                         "params": models.count_params(cfg),
                     }
                 )
-                m.setdefault("policies", {})[p] = {
-                    "memory": prog.summary()["memory"],
-                    "fusions": prog.fusions,
-                    "n_integer_gemms": len(prog.integer_gemms()),
-                    "largest_u32": prog.summary()["largest_u32"],
-                    "compile_seconds": prog.compile_seconds,
-                    "commit": _commit(),
-                    "split_check": split_facts(prog, cfg, batch, seq),
-                }
+                m.setdefault("policies", {})[p] = _step_row(prog, cfg, batch, seq)
                 t4data["meta"] = _meta(kind) | {"mesh": dict(mesh2.shape)}
                 _save(out, "tpu_table4", t4data, markdown_table4)
                 log(
                     f"table4 {label} {p}: total {prog.memory.total / 2**30:.2f} GiB, temp "
                     f"{prog.memory.temporaries / 2**30:.2f} GiB ({time.perf_counter() - t0:.0f} s)"
                 )
-        return {"compile": data, "table4": t4data}
-    return {"compile": data}
+    if "full" in parts:
+        presets = ["tiny-moe"] if args.smoke else args.models.split(",")
+        seq = 64 if args.smoke else 4096
+        for preset in presets:
+            label, cfg = names.get(preset, preset), models.get_config(preset)
+            if cfg.moe is None:  # the dense models' full depth is in the tables above
+                continue
+            depth, batch = cfg.n_layers, FULL_DEPTH_PER_CHIP * mesh2.devices.size
+            m = t4data.setdefault("full_depth", {}).setdefault(label, {})
+            m.update(
+                {
+                    "preset": preset,
+                    "n_layers": depth,
+                    "moe_layers": depth - cfg.moe.n_dense_layers,
+                    "per_chip": FULL_DEPTH_PER_CHIP,
+                    "seq": seq,
+                    "batch": batch,
+                }
+            )
+            for p in pols:
+                try:
+                    prog, cfg, _ = compile_step(p, mesh2, preset, depth, seq, FULL_DEPTH_PER_CHIP)
+                except jax.errors.JaxRuntimeError as e:
+                    if (why := _refused(e)) is None:
+                        raise
+                    m.setdefault("policies", {}).pop(p, None)
+                    m.setdefault("refused", {})[p] = {"message": why, "commit": _commit()}
+                    log(f"full {label} {p} refused: {why}")
+                else:
+                    check_split(prog, cfg, batch, seq, f"full {label} {p}")
+                    m.setdefault("refused", {}).pop(p, None)
+                    m.setdefault("policies", {})[p] = _step_row(prog, cfg, batch, seq)
+                    log(f"full {label} {p}: temp {prog.memory.temporaries / 2**30:.2f} GiB")
+                t4data["meta"] = _meta(kind) | {"mesh": dict(mesh2.shape)}
+                _save(out, "tpu_table4", t4data, markdown_table4)
+    return {"compile": data} | ({"table4": t4data} if {"table4", "full"} & set(parts) else {})
 
 
 def _mib(b: float) -> str:
@@ -1169,20 +1221,8 @@ def markdown_table4(s: dict) -> str:
         f"dense step; an MoE step's EC surplus within {TARGET_MOE_RATIO:.0f}x of the dense "
         "steps'):",
         "",
-        "| model | S3R - RTNE | paper | two-way - S3R | paper | dX-only - S3R "
-        "| bcast two-way - bcast | SR - RTNE | RTNE - BF16 |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *_differences_table(s["models"]),
     ]
-    both = lambda P_, a, b: " / ".join(_fmt_gb(_gb(P_, a, b, m)) for m in STEP_METRICS)
-    for name, m in s["models"].items():
-        P_ = m["policies"]
-        paper = PAPER_STEP_GB.get(name, (None, None))
-        lines.append(
-            f"| {name} | {both(P_, 's3r', 'rtne')} | {paper[0] or '—'} | "
-            f"{both(P_, 's3r-ec-2way', 's3r')} | {paper[1] or '—'} | "
-            f"{both(P_, 's3r-ec-dx', 's3r')} | {both(P_, 's3r-bcast-ec-2way', 's3r-bcast')} | "
-            f"{both(P_, 'sr', 'rtne')} | {both(P_, 'rtne', 'bf16')} |"
-        )
     if (reading := _reading_table4(s)) is not None:
         lines += ["", reading]
     if any(m.get("moe_layers") for m in s["models"].values()):
@@ -1193,7 +1233,72 @@ def markdown_table4(s: dict) -> str:
             "[packing page](tpu_packing.md) (`python benchmarks/tpu_packing.py --steps "
             "...`).",
         ]
+    if s.get("full_depth"):
+        lines += ["", *_full_depth_section(s["full_depth"])]
     return "\n".join(lines) + "\n"
+
+
+def _differences_table(models_: dict) -> list[str]:
+    """Per model, the differences between policies' step memory (GB, total / peak)."""
+    lines = [
+        "| model | S3R - RTNE | paper | two-way - S3R | paper | dX-only - S3R "
+        "| bcast two-way - bcast | SR - RTNE | RTNE - BF16 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    both = lambda P_, a, b: " / ".join(_fmt_gb(_gb(P_, a, b, m)) for m in STEP_METRICS)
+    for name, m in models_.items():
+        P_ = m["policies"]
+        paper = PAPER_STEP_GB.get(name, (None, None))
+        lines.append(
+            f"| {name} | {both(P_, 's3r', 'rtne')} | {paper[0] or '—'} | "
+            f"{both(P_, 's3r-ec-2way', 's3r')} | {paper[1] or '—'} | "
+            f"{both(P_, 's3r-ec-dx', 's3r')} | {both(P_, 's3r-bcast-ec-2way', 's3r-bcast')} | "
+            f"{both(P_, 'sr', 'rtne')} | {both(P_, 'rtne', 'bf16')} |"
+        )
+    return lines
+
+
+def _full_depth_section(full: dict) -> list[str]:
+    """The page's section on the MoE models compiled at their real depth with
+    `FULL_DEPTH_PER_CHIP` sequences per chip (`--parts full`)."""
+    first = next(iter(full.values()))
+    refused = [
+        f'{n} {p} (engine `{r["commit"]}`): "{r["message"].rstrip(".")}"'
+        for n, m in full.items()
+        for p, r in m.get("refused", {}).items()
+    ]
+    compiled = {n: m for n, m in full.items() if m.get("policies")}
+    lines = [
+        "## The MoE models at their real depth",
+        "",
+        f"`python benchmarks/tpu_compile.py --parts full`: the same step at the models' real "
+        f"depth with {first['per_chip']} sequence(s) of {first['seq']} tokens per chip (a "
+        f"global batch of {first['batch']}, where the compiler refuses the full depth at the "
+        "tables' batch above). The rows are comparable with each other, not with the layer "
+        "cuts above." + (" Refused: " + "; ".join(refused) + "." if refused else ""),
+        "",
+    ]
+    if not compiled:
+        return lines
+    pols = [p for p in POLICIES if any(p in m["policies"] for m in compiled.values())]
+    cut = {"models": compiled}
+    return lines + [
+        "Total step memory per chip (GiB), and the engine commit of each row:",
+        "",
+        *_step_table(cut, pols, "total", engines=True),
+        "",
+        "Peak per chip (GiB):",
+        "",
+        *_step_table(cut, pols, "peak"),
+        "",
+        "Temporaries alone (GiB):",
+        "",
+        *_step_table(cut, pols, "temporaries"),
+        "",
+        "Differences (GB), each as total / peak:",
+        "",
+        *_differences_table(compiled),
+    ]
 
 
 def _full_depth(m: dict) -> bool:

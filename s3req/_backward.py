@@ -517,6 +517,7 @@ class Ragged(AbstractLayer):
             xq,
             q,
             cpu=lambda xq, q: _ragged_token_contraction(xq, q, gs, _kernels_cpu.ragged_rows),
+            tpu=lambda xq, q: _kernels_tpu.ragged_dw(xq, q, gs),
         )
 
     def weight_gradient(self, dw, sw):

@@ -60,6 +60,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import s3req._gemms as gemms
 import s3req._kernels_tpu as kernels_tpu
 from policies import (
     DwOnlyEC,
@@ -189,6 +190,48 @@ def test_ragged_tpu_kernel_agrees_inside_shard_map(getkey):
     args = (x[order], w, g[order], gs, row_id[order])
     ref, tpu = f(*[put(a, s) for a, s in zip(args, (d, r, d, d, d))], key)
     _assert_agree(policy, ref, tpu)
+
+
+@pytest.mark.parametrize("h, d", [(128, 72), (72, 128)], ids=["h-minor", "d-minor"])
+def test_expert_dw_in_the_weights_layout(monkeypatch, getkey, h, d):
+    """`ragged_dw`, the expert dW in the orientation of the weight's TPU layout (`(Q_e^T
+    Xq_e)^T` where `h` is a multiple of 128 and `d` is not), against the reference's `Xq_e^T
+    Q_e`: int8 codes bit for bit, in one contraction and past the int32 bound in chunks
+    (the bound lowered to 100 rows here), float codes within a float32 reordering of each
+    sum; and through `qragged_dot`, S3R's and two-way EC's gradients with the TPU kernels
+    against the reference as `test_ragged_tpu_kernel_agrees_with_reference`."""
+    assert kernels_tpu.h_minor(h, d) == (h == 128)
+    rng = np.random.default_rng(7)
+    n = 300
+    gs = jnp.asarray([90, 0, 150, 60], jnp.int32)  # one expert without rows
+    xq = jnp.asarray(rng.integers(-127, 128, (n, h)), jnp.int8)
+    q = jnp.asarray(rng.integers(-127, 128, (n, d)), jnp.int8)
+    ref = lambda xq, q: gemms.ragged_token_contraction(xq, q, gs)
+    tpu = lambda xq, q: kernels_tpu.ragged_dw(xq, q, gs)
+    np.testing.assert_array_equal(jax.jit(ref)(xq, q), jax.jit(tpu)(xq, q))
+    monkeypatch.setattr(gemms, "MAX_TERMS", 100)
+    monkeypatch.setattr(gemms, "DW_CHUNK", 64)
+    np.testing.assert_array_equal(jax.jit(ref)(xq, q), jax.jit(tpu)(xq, q))
+    qf = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    a, b = jax.jit(ref)(xq, qf), jax.jit(tpu)(xq, qf)
+    magnitudes = jax.jit(ref)(jnp.abs(xq), jnp.abs(qf))
+    assert np.all(np.abs(a - b) <= 2 * n * 2.0**-24 * magnitudes)
+    monkeypatch.undo()
+
+    rows = 48
+    x = jnp.asarray(rng.standard_normal((rows, h)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((E, h, d)), jnp.float32)
+    g = jnp.asarray(rng.standard_normal((rows, d)), jnp.float32)
+    sizes = jnp.asarray([20, 0, 16, 12], jnp.int32)
+    row_id = jnp.arange(rows, dtype=jnp.int32)
+    example_id = row_id % B
+    key = getkey()
+    for policy in (Policy(Phi2D(), NoEC()), Policy(Phi2D(), TwoWayEC())):
+        args = (policy, x, w, sizes, g, key, row_id, example_id)
+        both = jax.jit(
+            lambda *a: [with_kernels(k, _vjp)(*a) for k in ("reference", "tpu")], static_argnums=0
+        )
+        _assert_agree(policy, *both(*args))
 
 
 def test_row_chunk():

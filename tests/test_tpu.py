@@ -291,12 +291,15 @@ def test_benchmark_smoke(tmp_path):
     tpu_compile = _benchmark()
     base = ["--smoke", "--out", str(tmp_path), "--shapes", "W1"]
     tpu_compile.main(base + ["--parts", "layer,ffn", "--policies", "rtne,s3r"])
-    res = tpu_compile.main(base + ["--parts", "layer,table4", "--policies", "s3r-ec-dx"])
+    res = tpu_compile.main(base + ["--parts", "layer,table4,full", "--policies", "s3r-ec-dx"])
     layer = res["compile"]["layer"]
     assert set(layer) == {"rtne", "s3r", "s3r-ec-dx"}  # merged with the first run
     assert all(r["layer_gemms"] == ["s8 x s8 -> s32"] * 3 for r in layer.values())
     assert set(res["compile"]["ffn"]["W1"]["policies"]) == {"rtne", "s3r"}
     assert set(res["table4"]["models"]["tiny"]["policies"]) == {"s3r-ec-dx"}
+    full = res["table4"]["full_depth"]["tiny-moe"]  # the MoE preset at its real depth
+    assert set(full["policies"]) == {"s3r-ec-dx"} and full["per_chip"] == 1
+    assert "## The MoE models at their real depth" in (tmp_path / "tpu_table4.md").read_text()
     page = (tmp_path / "tpu_compile.md").read_text()
     assert page.startswith("# TPU v5p compile") and "not a measured time" in page
     assert "python benchmarks/tpu_compile.py" in (tmp_path / "tpu_table4.md").read_text()
@@ -319,6 +322,37 @@ def test_v5p_expert_gemm_on_explicit_axes_runs_per_chip():
     }
     assert temps["explicit"] <= 1.01 * temps["shard_map"], temps
     assert 2 * temps["explicit"] < temps["jit"], temps
+
+
+# Trailing (h, d) of expert weights and their gradients: DeepSeek-V2-Lite's gate/up and down
+# experts per chip (tp=2), Qwen3-30B-A3B's, and the other cases of the rule.
+LAYOUT_SHAPES = [
+    (64, 2048, 704),
+    (64, 704, 2048),
+    (128, 2048, 384),
+    (8, 1024, 96),
+    (8, 96, 1024),
+    (8, 1032, 704),
+    (8, 1000, 640),
+    (26, 8, 1024, 704),
+]
+
+
+@needs_libtpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_h_minor_is_the_compilers_default_layout(dtype):
+    """`_kernels_tpu.h_minor`, by which the expert GEMM's dW takes the orientation of the
+    weight's layout, says what XLA:TPU's default layout of a parameter is: whether it puts the
+    second-to-last axis minor (read from the compiled program's entry layout)."""
+    from s3req._kernels_tpu import h_minor
+
+    for shape in LAYOUT_SHAPES:
+        prog = compile_for_tpu(lambda w: w * 2, jax.ShapeDtypeStruct(shape, dtype))
+        layout = re.search(r"entry_computation_layout=\{\(\w+\[[\d,]*\]\{([\d,]+)", prog.hlo)
+        assert layout is not None, prog.hlo[:300]
+        minor = int(layout.group(1).split(",")[0])
+        assert (minor == len(shape) - 2) == h_minor(*shape[-2:]), (shape, layout.group(1))
+        assert minor in (len(shape) - 2, len(shape) - 1), (shape, layout.group(1))
 
 
 def _row(temporaries: int, peak: int | None, args: int = 2**30) -> dict:
@@ -425,6 +459,18 @@ def test_pages_check_targets_on_temporaries_and_peak():
     assert "+1.000 GB (Qwen3-30B-A3B, 2.0x)" in total and "2x: within it" in total
     assert "+0.300 GB (Llama 3.1-8B) (target and paper: at most +0.4 GB: within it" in peak
     assert "+0.700 GB (Qwen3-30B-A3B, 2.3x)" in peak and "above it for Qwen3-30B-A3B" in peak
+
+    # The MoE models at their real depth, fewer sequences per chip: a section of their own.
+    deep = {"n_layers": 48, "moe_layers": 48, "preset": "qwen3-30b-a3b", "per_chip": 1}
+    deep |= {"seq": 4096, "batch": 4, "policies": dict(moe)}
+    deep["refused"] = {"rtne": {"message": no_room, "commit": "abc"}}
+    page = tc.markdown_table4(t4 | {"full_depth": {"Qwen3-30B-A3B": deep}})
+    section = page[page.index("## The MoE models at their real depth") :]
+    assert "1 sequence(s) of 4096 tokens per chip (a global batch of 4" in section
+    assert f'Refused: Qwen3-30B-A3B rtne (engine `abc`): "{no_room}".' in section
+    temporaries = f"| Qwen3-30B-A3B | 48 (48 MoE) | {9 * G / 2**30:.3f} | {10 * G / 2**30:.3f} |"
+    assert temporaries in section
+    assert "| Qwen3-30B-A3B | — / — | +0.4 | +1.000 / +0.700 |" in section
 
     # Rows of a superseded engine are removed and named on the page until recompiled.
     for r in moe.values():
