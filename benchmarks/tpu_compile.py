@@ -11,7 +11,10 @@ Uses `s3req.tpu` (needs libtpu: `pip install "s3req[tpu]"`) for every policy pre
   Qwen3-8B, Qwen3-30B-A3B and DeepSeek-V2-Lite at their real depth (`--layers N`: a cut to
   N layers, real widths and vocabulary), full remat, bf16 activations, 4 x 4096 tokens per
   chip, parameters and optimizer state FSDP x TP sharded (`s3req.train`'s rules) on a
-  2 x 2 mesh of v5p 2x2x1.
+  2 x 2 mesh of v5p 2x2x1;
+- `full`: the same step of the MoE models among `--models` at their real depth with
+  `FULL_DEPTH_PER_CHIP` sequence per chip (at 4 the compiler refuses them), a section of the
+  Table IV page of its own.
 
 Per program: XLA's memory analysis, the GEMMs of the optimized HLO with their dtypes, the
 largest materialized u32 buffer, fusions, backward vector operations per upstream-gradient
@@ -23,6 +26,7 @@ rewritten from them.
     python benchmarks/tpu_compile.py                                # everything (~1-2 h)
     python benchmarks/tpu_compile.py --parts layer,ffn --shapes W2,W4
     python benchmarks/tpu_compile.py --parts table4 --models llama3.1-8b
+    python benchmarks/tpu_compile.py --parts full --models deepseek-v2-lite,qwen3-30b-a3b
     python benchmarks/tpu_compile.py --smoke --out /tmp/tpu            # small shapes
     python benchmarks/tpu_compile.py --pages                           # pages from the JSON
 """
@@ -31,6 +35,7 @@ import argparse
 import json
 import pathlib
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -352,7 +357,7 @@ def _drop_rows(data: dict, commits: set[str], parts: list[str]) -> dict:
             continue
         for name in list(data.get(group, {})):
             data[group][name]["policies"] = keep(data[group][name].get("policies", {}), name)
-            if not data[group][name]["policies"]:
+            if not data[group][name]["policies"] and not data[group][name].get("refused"):
                 del data[group][name]
     if not dropped:
         del data["dropped"]
@@ -380,7 +385,7 @@ def _meta(device_kind: str) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--parts", default="layer,ffn,table4")
+    ap.add_argument("--parts", default="layer,ffn,table4,full")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--shapes", default=",".join(models.PAPER_FFN_SHAPES))
     ap.add_argument("--models", default=",".join(TABLE4_MODELS.values()))
@@ -1234,7 +1239,8 @@ def markdown_table4(s: dict) -> str:
             "...`).",
         ]
     if s.get("full_depth"):
-        lines += ["", *_full_depth_section(s["full_depth"])]
+        dense = {n: m for n, m in s["models"].items() if n in DENSE}
+        lines += ["", *_full_depth_section(s["full_depth"], dense, chips)]
     return "\n".join(lines) + "\n"
 
 
@@ -1258,14 +1264,19 @@ def _differences_table(models_: dict) -> list[str]:
     return lines
 
 
-def _full_depth_section(full: dict) -> list[str]:
+def _full_depth_section(full: dict, dense: dict, chips: int) -> list[str]:
     """The page's section on the MoE models compiled at their real depth with
-    `FULL_DEPTH_PER_CHIP` sequences per chip (`--parts full`)."""
+    `FULL_DEPTH_PER_CHIP` sequences per chip (`--parts full`); `dense`: the tables' rows of
+    the dense models, for the reading, over `chips` chips."""
     first = next(iter(full.values()))
     refused = [
-        f'{n} {p} (engine `{r["commit"]}`): "{r["message"].rstrip(".")}"'
+        f"{n}: "
+        + ", ".join(f"{p} ({_needed(r['message'])})" for p, r in m["refused"].items())
+        + " (engine "
+        + ", ".join(sorted({f"`{r['commit']}`" for r in m["refused"].values()}))
+        + ")"
         for n, m in full.items()
-        for p, r in m.get("refused", {}).items()
+        if m.get("refused")
     ]
     compiled = {n: m for n, m in full.items() if m.get("policies")}
     lines = [
@@ -1275,7 +1286,14 @@ def _full_depth_section(full: dict) -> list[str]:
         f"depth with {first['per_chip']} sequence(s) of {first['seq']} tokens per chip (a "
         f"global batch of {first['batch']}, where the compiler refuses the full depth at the "
         "tables' batch above). The rows are comparable with each other, not with the layer "
-        "cuts above." + (" Refused: " + "; ".join(refused) + "." if refused else ""),
+        "cuts above."
+        + (
+            " Refused by the compiler (the HBM it asked for; a v5p chip has 95.74G): "
+            + "; ".join(refused)
+            + "."
+            if refused
+            else ""
+        ),
         "",
     ]
     if not compiled:
@@ -1298,7 +1316,41 @@ def _full_depth_section(full: dict) -> list[str]:
         "Differences (GB), each as total / peak:",
         "",
         *_differences_table(compiled),
+        "",
+        _full_depth_reading(compiled, dense, chips),
     ]
+
+
+def _needed(message: str) -> str:
+    """The memory a refused program asked for, from the compiler's sentence (`_exhausted`)."""
+    found = re.search(r"HLO temporaries \(([^)]+)\)", message)
+    return found.group(1) if found else message
+
+
+def _full_depth_reading(compiled: dict, dense: dict, chips: int) -> str:
+    """The generated reading of the real-depth MoE rows: their S3R - RTNE and EC surplus,
+    beside the dense steps' largest two-way surplus (`dense`: the tables' dense rows)."""
+    gb = lambda P_, a, b: " / ".join(_fmt_gb(_gb(P_, a, b, m)) for m in STEP_METRICS)
+    parts = [
+        f"{n}: S3R - RTNE {gb(m['policies'], 's3r', 'rtne')} GB, two-way - S3R "
+        f"{gb(m['policies'], 's3r-ec-2way', 's3r')} GB, dX-only - S3R "
+        f"{gb(m['policies'], 's3r-ec-dx', 's3r')} GB (total / peak)"
+        for n, m in compiled.items()
+    ]
+    ref = [
+        (n, v)
+        for n, m in dense.items()
+        if (v := _gb(m["policies"], "s3r-ec-2way", "s3r")) is not None
+    ]
+    text = "Reading (generated): at the real depth, " + "; ".join(parts)
+    if ref:
+        n, v = max(ref, key=lambda t: t[1])
+        first = next(iter(dense.values()))
+        text += (
+            f"; the largest two-way surplus of the dense steps above is {v:+.3f} GB ({n}, "
+            f"total, at {first['batch'] // chips} sequences per chip)"
+        )
+    return text + "."
 
 
 def _full_depth(m: dict) -> bool:

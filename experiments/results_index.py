@@ -349,22 +349,37 @@ def tpu(d: pathlib.Path) -> list[str]:
         for n, m in (t4 or {}).get("models", {}).items()
         if n not in ("Llama 3.1-8B", "Qwen3-8B")
     ]
-    each = lambda a, b, key="total": (
+    each = lambda rows, a, b, key="total": (
         ", ".join(
             f"{(mem(P, a, key) - mem(P, b, key)) / 1e9:+.3f} ({n})"
-            for n, P in moe
+            for n, P in rows
             if a in P and b in P and mem(P, a, key) is not None and mem(P, b, key) is not None
         )
         or "n/a"
     )
+    paper_moe = "+0.4 (Qwen3-30B-A3B), +0.7 (DeepSeek-V2-Lite)"
     if moe:
         cut = depth(tuple(n for n, _ in moe))
         out += [
-            "| full step, MoE: S3R - RTNE (GB) | +0.4 (Qwen3-30B-A3B), +0.7 (DeepSeek-V2-Lite) "
-            f"| {each('s3r', 'rtne')} ({cut}) |",
+            f"| full step, MoE: S3R - RTNE (GB) | {paper_moe} | {each(moe, 's3r', 'rtne')} "
+            f"({cut}) |",
             "| full step, MoE: S3R-EC two-way - S3R (GB) | not given "
-            f"| {each('s3r-ec-2way', 's3r')} ({cut}) |",
-            f"| ... on XLA's peak | not given | {each('s3r-ec-2way', 's3r', 'peak')} ({cut}) |",
+            f"| {each(moe, 's3r-ec-2way', 's3r')} ({cut}) |",
+            "| ... on XLA's peak | not given "
+            f"| {each(moe, 's3r-ec-2way', 's3r', 'peak')} ({cut}) |",
+        ]
+    # The MoE models at their real depth, with fewer sequences per chip (`--parts full`).
+    deep = [(n, m["policies"]) for n, m in (t4 or {}).get("full_depth", {}).items()]
+    deep = [(n, P) for n, P in deep if P]
+    if deep:
+        per_chip = next(iter((t4 or {})["full_depth"].values()))["per_chip"]
+        at = f"real depth, {per_chip} sequence(s) per chip"
+        out += [
+            f"| full step, MoE ({at}): S3R - RTNE (GB) | {paper_moe} "
+            f"| {each(deep, 's3r', 'rtne')} |",
+            f"| full step, MoE ({at}): S3R-EC two-way - S3R (GB) | not given "
+            f"| {each(deep, 's3r-ec-2way', 's3r')} |",
+            f"| ... on XLA's peak | not given | {each(deep, 's3r-ec-2way', 's3r', 'peak')} |",
         ]
     return out
 

@@ -129,18 +129,18 @@ at 131072 rows and 128 experts. `segment_sums` and `xq_sums` therefore contract 
 **The expert dW in the weights' layout** (`ragged_dw`). XLA:TPU lays out a parameter
 `(..., h, d)` with `h` minor where `d` is not a multiple of 128 and `h` is (`h_minor`; it
 pads less), and writes a ragged contraction's output row-major. In a training step whose
-layers run as one `jax.lax.scan`, the stacked weight gradients then leave the scan in the
-layout of the dW GEMM's output: where it is not the parameters', the compiler copies the
-whole stack of weights into the scan and of gradients out of it (DeepSeek-V2-Lite's gate and
-up experts, `(64, 2048, 704)` per `tp` shard: four float32 copies of the 26-layer stack, 4.5
-GiB each at 1 sequence per chip). So where `h` is minor the dW GEMM is `(Q_e^T Xq_e)^T`,
-written in the parameters' layout (the same integer sums). Table IV's DeepSeek-V2-Lite step
-(`benchmarks/tpu_compile.py`, 1-layer cut, 4 sequences per chip) drops from 14.796 to
-14.546 GiB of temporaries for S3R and RTNE; at its full 27 layers and 1 sequence per chip
-(`--parts full`) RTNE, S3R and dX-only EC compile with about 2 GiB of temporaries, where the
-compiler refused them for 110 GB (two-way EC, whose dW correction writes the gradient in the
-parameters' layout, compiled already). Qwen3-30B-A3B's experts (`d = 384`) keep the
-row-major product.
+layers run as one `jax.lax.scan`, the stacked weight gradients leave the scan in the layout
+of the dW GEMM's output: where it is not the parameters', the compiler copies the whole stack
+of weights into the scan and of gradients out of it, alive through the step
+(DeepSeek-V2-Lite's gate and up experts, `(64, 2048, 704)` per `tp` shard: four float32
+copies of the 26 MoE layers' stack, 4.9 GiB each with 704 padded to 768). So where `h` is
+minor the dW GEMM is `(Q_e^T Xq_e)^T`, written in the parameters' layout (the same integer
+sums). Table IV's DeepSeek-V2-Lite step (`benchmarks/tpu_compile.py`, 1-layer cut, 4
+sequences per chip) drops from 14.796 to 14.546 GiB of temporaries for S3R and RTNE
+(two-way EC's dW correction wrote the gradient in the parameters' layout already: 15.274
+before and after); at its 27 layers and 1 sequence per chip (`--parts full`) every INT8
+policy compiles with about 2 GiB of temporaries, where RTNE, S3R and dX-only EC asked for
+110 GB before. Qwen3-30B-A3B's experts (`d = 384`) keep the row-major product.
 
 On XLA:CPU the ragged contractions run masked over all experts, slower than the reference
 forms, so CPU runs the reference. The layers choose per backend (`_per_backend`);
@@ -379,12 +379,9 @@ def ragged_dw(
 ) -> Float[Array, "e h d"]:
     """`Xq_e^T Q_e` for every expert, the expert GEMM's dW, computed in the orientation of
     the weight's default layout (`h_minor`): as `(Q_e^T Xq_e)^T` where `h` is minor, so the
-    product writes the gradient in the parameters' layout. XLA:TPU writes a ragged
-    contraction's output row-major; inside the layers' scan the stacked gradients then take
-    that layout, and where it differs from the parameters' the compiler copies the whole
-    stack of weights into the scan and of gradients out of it (DeepSeek-V2-Lite's `(E,
-    1024, 704)` gate and up experts per chip: four copies of the 27-layer stack). Integer
-    sums are exact in either orientation; float32 ones may differ in their order."""
+    product writes the gradient in the parameters' layout, and the compiler copies no stack
+    of weights or gradients around the layers' scan (the module's docstring). Integer sums
+    are exact in either orientation; float32 ones may differ in their order."""
     if not h_minor(xq.shape[1], q.shape[1]):
         return ragged_token_contraction(xq, q, group_sizes)
     swapped = lambda a, b, gs: jnp.swapaxes(ragged_rows(b, a, gs), 1, 2)

@@ -226,12 +226,11 @@ def test_expert_dw_in_the_weights_layout(monkeypatch, getkey, h, d):
     row_id = jnp.arange(rows, dtype=jnp.int32)
     example_id = row_id % B
     key = getkey()
+    both = jax.jit(
+        lambda *a: [with_kernels(k, _vjp)(*a) for k in ("reference", "tpu")], static_argnums=0
+    )
     for policy in (Policy(Phi2D(), NoEC()), Policy(Phi2D(), TwoWayEC())):
-        args = (policy, x, w, sizes, g, key, row_id, example_id)
-        both = jax.jit(
-            lambda *a: [with_kernels(k, _vjp)(*a) for k in ("reference", "tpu")], static_argnums=0
-        )
-        _assert_agree(policy, *both(*args))
+        _assert_agree(policy, *both(policy, x, w, sizes, g, key, row_id, example_id))
 
 
 def test_row_chunk():

@@ -1,6 +1,7 @@
 """`s3req.tpu`: the HLO reader (no libtpu needed) and TPU v5p compiles (skipped without libtpu)."""
 
 import importlib.util
+import json
 import pathlib
 import re
 import sys
@@ -153,6 +154,16 @@ def _benchmark():
     import tpu_compile
 
     return tpu_compile
+
+
+def _results_index():
+    """`experiments/results_index.py` as a module (the summary of the results pages)."""
+    experiments = str(pathlib.Path(__file__).resolve().parent.parent / "experiments")
+    if experiments not in sys.path:
+        sys.path.insert(0, experiments)
+    import results_index
+
+    return results_index
 
 
 def _layer(name):
@@ -372,7 +383,7 @@ def _row(temporaries: int, peak: int | None, args: int = 2**30) -> dict:
     }
 
 
-def test_pages_check_targets_on_temporaries_and_peak():
+def test_pages_check_targets_on_temporaries_and_peak(tmp_path):
     """The pages' verdicts are computed on both metrics: a block whose RTNE temporaries
     exceed S3R's by 50% while the peaks are equal fails S3R = RTNE on temporaries only, and
     a two-way step surplus of 0.5 GB in the total but 0.3 GB in the peak fails the 0.4 GB
@@ -440,6 +451,10 @@ def test_pages_check_targets_on_temporaries_and_peak():
     assert "The cuts differ between models" not in page  # one cut model
     assert "this page does not check that for the layer cuts" in page
     no_room = "Ran out of memory on HBM, the total memory required ... exceeds available HBM"
+    asked = (
+        "Ran out of memory on HBM, the total memory required for HLO temporaries (180.69G) "
+        "exceeds available HBM (95.74G)."
+    )
     refused = {"n_layers": 48, "policy": "rtne", "message": no_room, "commit": "abc"}
     page = tc.markdown_table4(t4 | {"refused": {"Qwen3-30B-A3B": refused}})
     assert (
@@ -467,10 +482,28 @@ def test_pages_check_targets_on_temporaries_and_peak():
     page = tc.markdown_table4(t4 | {"full_depth": {"Qwen3-30B-A3B": deep}})
     section = page[page.index("## The MoE models at their real depth") :]
     assert "1 sequence(s) of 4096 tokens per chip (a global batch of 4" in section
-    assert f'Refused: Qwen3-30B-A3B rtne (engine `abc`): "{no_room}".' in section
+    assert "(the HBM it asked for; a v5p chip has 95.74G): Qwen3-30B-A3B: rtne (" in section
+    assert tc._needed(asked) == "180.69G"
+    # A model whose every policy was refused keeps its refusals when the pages are rewritten.
+    refused_only = {"full_depth": {"Qwen3-30B-A3B": deep | {"policies": {}}}}
+    assert tc._drop_rows(refused_only, set(), ["full"])["full_depth"]["Qwen3-30B-A3B"]["refused"]
     temporaries = f"| Qwen3-30B-A3B | 48 (48 MoE) | {9 * G / 2**30:.3f} | {10 * G / 2**30:.3f} |"
     assert temporaries in section
     assert "| Qwen3-30B-A3B | — / — | +0.4 | +1.000 / +0.700 |" in section
+    assert (
+        "Reading (generated): at the real depth, Qwen3-30B-A3B: S3R - RTNE — / — GB, two-way "
+        "- S3R +1.000 / +0.700 GB, dX-only - S3R — / — GB (total / peak); the largest two-way "
+        "surplus of the dense steps above is +0.500 GB (Llama 3.1-8B, total, at 4 sequences "
+        "per chip)." in section
+    )
+    (tmp_path / "tpu_table4.json").write_text(
+        json.dumps(t4 | {"full_depth": {"Qwen3-30B-A3B": deep}})
+    )
+    index = "\n".join(_results_index().tpu(tmp_path))
+    assert (
+        "| full step, MoE (real depth, 1 sequence(s) per chip): S3R-EC two-way - S3R (GB) "
+        "| not given | +1.000 (Qwen3-30B-A3B) |" in index
+    )
 
     # Rows of a superseded engine are removed and named on the page until recompiled.
     for r in moe.values():
