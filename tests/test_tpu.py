@@ -309,7 +309,9 @@ def test_benchmark_smoke(tmp_path):
     assert set(res["compile"]["ffn"]["W1"]["policies"]) == {"rtne", "s3r"}
     assert set(res["table4"]["models"]["tiny"]["policies"]) == {"s3r-ec-dx"}
     full = res["table4"]["full_depth"]["tiny-moe"]  # the MoE preset at its real depth
-    assert set(full["policies"]) == {"s3r-ec-dx"} and full["per_chip"] == 1
+    assert (
+        set(full["policies"]) == {"s3r-ec-dx"} and full["per_chip"] == tpu_compile.SMOKE_PER_CHIP
+    )
     assert "## The MoE models at their real depth" in (tmp_path / "tpu_table4.md").read_text()
     page = (tmp_path / "tpu_compile.md").read_text()
     assert page.startswith("# TPU v5p compile") and "not a measured time" in page
@@ -574,6 +576,31 @@ def test_v5p_unpinned_step_holds_the_global_batch(preset):
         assert any(b.shape and b.shape[0] == rows for b in prog.buffers())
     with pytest.raises(RuntimeError, match="global batch of 12 x 40 tokens"):
         tpu_compile.check_split(prog, cfg, _STEP_BATCH, _STEP_SEQ, preset)
+
+
+@needs_libtpu
+def test_v5p_expert_gradients_leave_the_layer_scan_without_copies(monkeypatch):
+    """A 3-layer MoE step whose gate and up experts are `(8, 256, 192)` per `tp` shard
+    (stored `(3, 8, 128, 192)` per chip, laid out with the 128-wide axis minor, as
+    DeepSeek-V2-Lite's `704`-wide ones): with the TPU kernels the expert dW is written in the
+    parameters' layout and the compiler copies no stack of expert weights or gradients; on
+    the reference path (`KERNELS = "reference"`, whose dW is `Xq_e^T Q_e`, row-major) it
+    copies them (the check can fail)."""
+    from s3req import _backward
+
+    overrides = dict(_STEP, n_layers=3, d_model=256)
+    del overrides["d_ff"]
+    overrides["moe"] = models.MoEConfig(n_experts=8, top_k=2, d_expert=384)
+    mesh = tpu_mesh({"fsdp": 2, "tp": 2})
+
+    def stack_copies(kernels):
+        monkeypatch.setattr(_backward, "KERNELS", kernels)
+        prog, cfg, _ = _benchmark().compile_step("s3r", mesh, "tiny-moe", 3, 64, 1, overrides)
+        assert cfg.moe is not None and cfg.moe.n_dense_layers == 0
+        return re.findall(r"= f32\[3,8,\d+,\d+\]\{[^}]*\} copy\(", prog.hlo)
+
+    assert stack_copies("auto") == []
+    assert stack_copies("reference")
 
 
 def test_engine_identity_ignores_the_compile_tool(monkeypatch):
