@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> dict:
             depth, batch = cfg.n_layers, per_chip * mesh2.devices.size
             # --smoke: top-3 routing, so a chip's routed rows (batch / 2 x seq x 3) match no
             # global count for `check_split` (with top-2 over fsdp=2 they equal the tokens).
-            smoke = {"moe": dataclasses.replace(cfg.moe, top_k=3)} if args.smoke else None
+            overrides = {"moe": dataclasses.replace(cfg.moe, top_k=3)} if args.smoke else None
             m = t4data.setdefault("full_depth", {}).setdefault(label, {})
             m.update(
                 {
@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
             for p in pols:
                 try:
-                    prog, cfg, _ = compile_step(p, mesh2, preset, depth, seq, per_chip, smoke)
+                    prog, cfg, _ = compile_step(p, mesh2, preset, depth, seq, per_chip, overrides)
                 except jax.errors.JaxRuntimeError as e:
                     if (why := _refused(e)) is None:
                         raise
@@ -1254,6 +1254,11 @@ def markdown_table4(s: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _both(P_: dict, a: str, b: str) -> str:
+    """`a - b` in GB on every `STEP_METRICS` (total / peak) from one model's rows `P_`."""
+    return " / ".join(_fmt_gb(_gb(P_, a, b, m)) for m in STEP_METRICS)
+
+
 def _differences_table(models_: dict) -> list[str]:
     """Per model, the differences between policies' step memory (GB, total / peak)."""
     lines = [
@@ -1261,15 +1266,14 @@ def _differences_table(models_: dict) -> list[str]:
         "| bcast two-way - bcast | SR - RTNE | RTNE - BF16 |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    both = lambda P_, a, b: " / ".join(_fmt_gb(_gb(P_, a, b, m)) for m in STEP_METRICS)
     for name, m in models_.items():
         P_ = m["policies"]
         paper = PAPER_STEP_GB.get(name, (None, None))
         lines.append(
-            f"| {name} | {both(P_, 's3r', 'rtne')} | {paper[0] or '—'} | "
-            f"{both(P_, 's3r-ec-2way', 's3r')} | {paper[1] or '—'} | "
-            f"{both(P_, 's3r-ec-dx', 's3r')} | {both(P_, 's3r-bcast-ec-2way', 's3r-bcast')} | "
-            f"{both(P_, 'sr', 'rtne')} | {both(P_, 'rtne', 'bf16')} |"
+            f"| {name} | {_both(P_, 's3r', 'rtne')} | {paper[0] or '—'} | "
+            f"{_both(P_, 's3r-ec-2way', 's3r')} | {paper[1] or '—'} | "
+            f"{_both(P_, 's3r-ec-dx', 's3r')} | {_both(P_, 's3r-bcast-ec-2way', 's3r-bcast')} | "
+            f"{_both(P_, 'sr', 'rtne')} | {_both(P_, 'rtne', 'bf16')} |"
         )
     return lines
 
@@ -1340,11 +1344,10 @@ def _needed(message: str) -> str:
 def _full_depth_reading(compiled: dict, dense: dict, chips: int) -> str:
     """The generated reading of the real-depth MoE rows: their S3R - RTNE and EC surplus,
     beside the dense steps' largest two-way surplus (`dense`: the tables' dense rows)."""
-    gb = lambda P_, a, b: " / ".join(_fmt_gb(_gb(P_, a, b, m)) for m in STEP_METRICS)
     parts = [
-        f"{n}: S3R - RTNE {gb(m['policies'], 's3r', 'rtne')} GB, two-way - S3R "
-        f"{gb(m['policies'], 's3r-ec-2way', 's3r')} GB, dX-only - S3R "
-        f"{gb(m['policies'], 's3r-ec-dx', 's3r')} GB (total / peak)"
+        f"{n}: S3R - RTNE {_both(m['policies'], 's3r', 'rtne')} GB, two-way - S3R "
+        f"{_both(m['policies'], 's3r-ec-2way', 's3r')} GB, dX-only - S3R "
+        f"{_both(m['policies'], 's3r-ec-dx', 's3r')} GB (total / peak)"
         for n, m in compiled.items()
     ]
     ref = [
