@@ -139,8 +139,8 @@ sums). Table IV's DeepSeek-V2-Lite step (`benchmarks/tpu_compile.py`, 1-layer cu
 sequences per chip) drops from 14.796 to 14.546 GiB of temporaries for S3R and RTNE
 (two-way EC's dW correction wrote the gradient in the parameters' layout already: 15.274
 before and after); at its 27 layers and 1 sequence per chip (`--parts full`) every INT8
-policy compiles with about 2 GiB of temporaries, where RTNE, S3R and dX-only EC asked for
-110 GB before. Qwen3-30B-A3B's experts (`d = 384`) keep the row-major product.
+policy compiles with about 2 GiB of temporaries, where the compiler refused RTNE, S3R and
+dX-only EC before. Qwen3-30B-A3B's experts (`d = 384`) keep the row-major product.
 
 On XLA:CPU the ragged contractions run masked over all experts, slower than the reference
 forms, so CPU runs the reference. The layers choose per backend (`_per_backend`);
