@@ -132,8 +132,8 @@ pads less), and writes a ragged contraction's output row-major. In a training st
 layers run as one `jax.lax.scan`, the stacked weight gradients leave the scan in the layout
 of the dW GEMM's output: where it is not the parameters', the compiler copies the whole stack
 of weights into the scan and of gradients out of it, alive through the step
-(DeepSeek-V2-Lite's gate and up experts, `(64, 2048, 704)` per `tp` shard: four float32
-copies of the 26 MoE layers' stack, 4.9 GiB each with 704 padded to 768). So where `h` is
+(DeepSeek-V2-Lite's gate and up experts, `(64, 2048, 704)` per `tp` shard: float32 copies
+of the 26 MoE layers' stacks; `tests/test_tpu.py` shows them on a small step). So where `h` is
 minor the dW GEMM is `(Q_e^T Xq_e)^T`, written in the parameters' layout (the same integer
 sums). Table IV's DeepSeek-V2-Lite step (`benchmarks/tpu_compile.py`, 1-layer cut, 4
 sequences per chip) drops from 14.796 to 14.546 GiB of temporaries for S3R and RTNE
