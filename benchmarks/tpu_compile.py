@@ -12,8 +12,9 @@ Uses `s3req.tpu` (needs libtpu: `pip install "s3req[tpu]"`) for every policy pre
   N layers, real widths and vocabulary), full remat, bf16 activations, 4 x 4096 tokens per
   chip, parameters and optimizer state FSDP x TP sharded (`s3req.train`'s rules) on a
   2 x 2 mesh of v5p 2x2x1;
-- `full`: the same step of the MoE models among `--models` at their real depth with
-  `FULL_DEPTH_PER_CHIP` sequence per chip (at 4 the compiler refuses them), a section of the
+- `full`: the same step of every model among `--models` at its real depth with
+  `FULL_DEPTH_PER_CHIP` sequence per chip (at 4 the compiler refuses the MoE models; the dense
+  ones at this batch give the MoE steps' EC surplus a like-for-like scale), a section of the
   Table IV page of its own.
 
 Per program: XLA's memory analysis, the GEMMs of the optimized HLO with their dtypes, the
@@ -106,8 +107,8 @@ PAPER_STEP_GB = {
 # MoE steps' EC surplus within 2x of the dense steps'.
 TARGET_DX_PCT, TARGET_TWO_WAY_PCT, TARGET_MOE_RATIO = 5.0, 14.0, 2.0
 FULL_DEPTH_PER_CHIP = 1
-"""Sequences per chip of the MoE models' steps at their real depth (`--parts full`): at Table
-IV's 4 the compiler refuses them (the page says so and compiles a layer cut)."""
+"""Sequences per chip of the steps at their real depth (`--parts full`): at Table IV's 4 the
+compiler refuses the MoE models (the page says so and compiles a layer cut)."""
 SMOKE_PER_CHIP, SMOKE_SEQ = 2, 40
 """Sequences per chip and tokens per sequence of `--smoke`'s steps: a global batch of 8 x 40,
 whose sizes match no other dimension of the tiny presets' buffers, so `check_split` cannot
@@ -514,22 +515,22 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{prog.memory.temporaries / 2**30:.2f} GiB ({time.perf_counter() - t0:.0f} s)"
                 )
     if "full" in parts:
-        presets = ["tiny-moe"] if args.smoke else args.models.split(",")
+        presets = ["tiny", "tiny-moe"] if args.smoke else args.models.split(",")
         seq, per_chip = (SMOKE_SEQ, SMOKE_PER_CHIP) if args.smoke else (4096, FULL_DEPTH_PER_CHIP)
         for preset in presets:
             label, cfg = names.get(preset, preset), models.get_config(preset)
-            if cfg.moe is None:  # the dense models' full depth is in the tables above
-                continue
             depth, batch = cfg.n_layers, per_chip * mesh2.devices.size
             # --smoke: top-3 routing, so a chip's routed rows (batch / 2 x seq x 3) match no
             # global count for `check_split` (with top-2 over fsdp=2 they equal the tokens).
-            overrides = {"moe": dataclasses.replace(cfg.moe, top_k=3)} if args.smoke else None
+            overrides = (
+                {"moe": dataclasses.replace(cfg.moe, top_k=3)} if args.smoke and cfg.moe else None
+            )
             m = t4data.setdefault("full_depth", {}).setdefault(label, {})
             m.update(
                 {
                     "preset": preset,
                     "n_layers": depth,
-                    "moe_layers": depth - cfg.moe.n_dense_layers,
+                    "moe_layers": depth - cfg.moe.n_dense_layers if cfg.moe else 0,
                     "per_chip": per_chip,
                     "seq": seq,
                     "batch": batch,
@@ -1294,13 +1295,14 @@ def _full_depth_section(full: dict, dense: dict, chips: int) -> list[str]:
     ]
     compiled = {n: m for n, m in full.items() if m.get("policies")}
     lines = [
-        "## The MoE models at their real depth",
+        "## The models at their real depth with fewer sequences per chip",
         "",
         f"`python benchmarks/tpu_compile.py --parts full`: the same step at the models' real "
         f"depth with {first['per_chip']} sequence(s) of {first['seq']} tokens per chip (a "
-        f"global batch of {first['batch']}, where the compiler refuses the full depth at the "
-        "tables' batch above). The rows are comparable with each other, not with the layer "
-        "cuts above."
+        f"global batch of {first['batch']}): the compiler refuses the MoE models' full depth "
+        "at the tables' batch above, and the dense models are compiled at this batch too, so "
+        "that an MoE step's EC surplus is compared with a dense step's at the same batch. The "
+        "rows are comparable with each other, not with the tables above."
         + (
             " Refused by the compiler (the HBM it asked for; a v5p chip has 95.74G): "
             + "; ".join(refused)
@@ -1342,8 +1344,17 @@ def _needed(message: str) -> str:
 
 
 def _full_depth_reading(compiled: dict, dense: dict, chips: int) -> str:
-    """The generated reading of the real-depth MoE rows: their S3R - RTNE and EC surplus,
-    beside the dense steps' largest two-way surplus (`dense`: the tables' dense rows)."""
+    """The generated reading of the real-depth rows: the verdicts of the tables' reading on
+    them where dense models are among them, else the MoE rows' S3R - RTNE and EC surplus
+    beside the largest two-way surplus of `dense` (the tables' dense rows, another batch)."""
+    if any(n in DENSE for n in compiled):
+        per_chip = next(iter(compiled.values()))["per_chip"]
+        verdicts = [x for m in STEP_METRICS if (x := _reading_step_metric(compiled, m))]
+        return (
+            f"Reading (generated): at the real depth with {per_chip} sequence(s) per chip, "
+            + "; ".join(verdicts)
+            + "."
+        )
     parts = [
         f"{n}: S3R - RTNE {_both(m['policies'], 's3r', 'rtne')} GB, two-way - S3R "
         f"{_both(m['policies'], 's3r-ec-2way', 's3r')} GB, dX-only - S3R "

@@ -308,11 +308,13 @@ def test_benchmark_smoke(tmp_path):
     assert all(r["layer_gemms"] == ["s8 x s8 -> s32"] * 3 for r in layer.values())
     assert set(res["compile"]["ffn"]["W1"]["policies"]) == {"rtne", "s3r"}
     assert set(res["table4"]["models"]["tiny"]["policies"]) == {"s3r-ec-dx"}
-    full = res["table4"]["full_depth"]["tiny-moe"]  # the MoE preset at its real depth
+    full = res["table4"]["full_depth"]["tiny-moe"]  # the presets at their real depth
     assert (
         set(full["policies"]) == {"s3r-ec-dx"} and full["per_chip"] == tpu_compile.SMOKE_PER_CHIP
     )
-    assert "## The MoE models at their real depth" in (tmp_path / "tpu_table4.md").read_text()
+    assert set(res["table4"]["full_depth"]["tiny"]["policies"]) == {"s3r-ec-dx"}  # dense too
+    section = "## The models at their real depth with fewer sequences per chip"
+    assert section in (tmp_path / "tpu_table4.md").read_text()
     page = (tmp_path / "tpu_compile.md").read_text()
     assert page.startswith("# TPU v5p compile") and "not a measured time" in page
     assert "python benchmarks/tpu_compile.py" in (tmp_path / "tpu_table4.md").read_text()
@@ -477,12 +479,12 @@ def test_pages_check_targets_on_temporaries_and_peak(tmp_path):
     assert "+0.300 GB (Llama 3.1-8B) (target and paper: at most +0.4 GB: within it" in peak
     assert "+0.700 GB (Qwen3-30B-A3B, 2.3x)" in peak and "above it for Qwen3-30B-A3B" in peak
 
-    # The MoE models at their real depth, fewer sequences per chip: a section of their own.
+    # The models at their real depth, fewer sequences per chip: a section of their own.
     deep = {"n_layers": 48, "moe_layers": 48, "preset": "qwen3-30b-a3b", "per_chip": 1}
     deep |= {"seq": 4096, "batch": 4, "policies": dict(moe)}
     deep["refused"] = {"rtne": {"message": no_room, "commit": "abc"}}
     page = tc.markdown_table4(t4 | {"full_depth": {"Qwen3-30B-A3B": deep}})
-    section = page[page.index("## The MoE models at their real depth") :]
+    section = page[page.index("## The models at their real depth with fewer sequences") :]
     assert "1 sequence(s) of 4096 tokens per chip (a global batch of 4" in section
     assert "(the HBM it asked for; a v5p chip has 95.74G): Qwen3-30B-A3B: rtne (" in section
     assert tc._needed(asked) == "180.69G"
@@ -503,9 +505,25 @@ def test_pages_check_targets_on_temporaries_and_peak(tmp_path):
     )
     index = "\n".join(_results_index().tpu(tmp_path))
     assert (
-        "| full step, MoE (real depth, 1 sequence(s) per chip): S3R-EC two-way - S3R (GB) "
-        "| not given | +1.000 (Qwen3-30B-A3B) |" in index
+        "| full step (real depth, 1 sequence(s) per chip): S3R-EC two-way - S3R (GB) "
+        "| at most +0.4 (dense), not given (MoE) | +1.000 (Qwen3-30B-A3B) |" in index
     )
+    # With a dense model compiled at the same batch, the MoE surplus is judged against it.
+    same = {"n_layers": 32, "moe_layers": 0, "preset": "llama3.1-8b", "per_chip": 1}
+    same |= {"seq": 4096, "batch": 4, "policies": {"s3r": step(5 * G, 30 * G)}}
+    same["policies"]["s3r-ec-2way"] = step(5 * G + 4 * G // 10, 30 * G)
+    both = {"Llama 3.1-8B": same, "Qwen3-30B-A3B": deep}
+    section = tc.markdown_table4(t4 | {"full_depth": both})
+    section = section[section.index("## The models at their real depth") :]
+    reading = section[section.index("Reading (generated)") :]
+    assert reading.startswith("Reading (generated): at the real depth with 1 sequence(s) per chip")
+    assert "on the MoE steps +1.000 GB (Qwen3-30B-A3B, 2.5x) the largest dense surplus" in reading
+    assert "(target: within 2x: above it for Qwen3-30B-A3B)" in reading
+    assert "+0.400 GB (Llama 3.1-8B) (target and paper: at most +0.4 GB: within it" in reading
+    assert "| Llama 3.1-8B | 32 (0 MoE) |" in section
+    (tmp_path / "tpu_table4.json").write_text(json.dumps(t4 | {"full_depth": both}))
+    index = "\n".join(_results_index().tpu(tmp_path))
+    assert "| +0.400 (Llama 3.1-8B), +1.000 (Qwen3-30B-A3B) |" in index
 
     # Rows of a superseded engine are removed and named on the page until recompiled.
     for r in moe.values():
