@@ -242,25 +242,6 @@ def test_v5p_ffn_block_ec_memory():
 
 
 @needs_libtpu
-def test_v5p_ffn_two_way_ec_live_bytes_at_w2():
-    """The SwiGLU FFN block at W2 (Table III's (1024, 4096), 16 x 4096 tokens over 4 chips):
-    two-way EC holds S3R's live bytes at its busiest instruction, and S3R's peak, to within
-    1%. Its dW factors that read `Xq` are one int8 contraction over the tokens
-    (`_kernels_tpu.example_xq_sums`); as a float32 product with `eps` XLA:TPU laid `Xq`
-    out with the tokens minor and the forward GEMM read a row-major copy of it: +13.2% live
-    bytes and +9.2% peak (the packing page at `061997a`)."""
-    tc = _benchmark()
-    h, d = models.PAPER_FFN_SHAPES["W2"]
-    s3r, two_way = (
-        tc.compile_ffn(p, tpu_mesh(), h, d, *tc.FFN_TOKENS, buffers=True)
-        for p in ("s3r", "s3r-ec-2way")
-    )
-    assert s3r.packing is not None and two_way.packing is not None
-    assert two_way.packing.live <= 1.01 * s3r.packing.live, (two_way.packing, s3r.packing)
-    assert two_way.memory.peak <= 1.01 * s3r.memory.peak, (two_way.memory, s3r.memory)
-
-
-@needs_libtpu
 def test_v5p_shared_thresholds_are_not_materialized(layers):
     """Phi2D and PhiBcast write no gradient-sized u32 buffer (their words stay in the
     quantizer fusion); a program that does write one is detected."""
