@@ -257,11 +257,10 @@ class Dense(AbstractLayer):
     The products of the error means with `Wq`, `Xq` and the code sums are float32 products
     (`HIGHEST`: TPU's default precision would round the means to bf16). XLA:TPU reads the
     int8 operand of an `f32 x s8` product as it is; on XLA:CPU they run on int8 digits of
-    the means (`_kernels_cpu.digits_dot`). On TPU the factors of the dW terms that read `Xq`
-    are one int8 contraction over the tokens (`_kernels_tpu.example_xq_sums`), they are
-    summed over the chips before the GEMMs (`_kernels_tpu.sum_first`), and the row sums
-    `Wq 1_D` are taken once the codes exist (`_kernels_tpu.after`). On CUDA the dX GEMM
-    reads its codes as plain operands (`_kernels_gpu.plain_operands`), outside `shard_map`.
+    the means (`_kernels_cpu.digits_dot`). On TPU the factors of the dW terms are summed
+    over the chips before the GEMMs (`_kernels_tpu.sum_first`), and the row sums `Wq 1_D`
+    taken once the codes exist (`_kernels_tpu.after`). On CUDA the dX GEMM reads its codes
+    as plain operands (`_kernels_gpu.plain_operands`), outside `shard_map`.
     """
 
     axes: ShardAxes = eqx.field(static=True)
@@ -368,19 +367,15 @@ class Dense(AbstractLayer):
         return self.token_dx(eps, rw) + v
 
     def xq_sums(self, xq, eps, segments):
-        def factors(token_dw: Callable) -> Callable:
-            return lambda xq, eps: (
-                None if eps is None else token_dw(xq, eps),
-                self.segment_sums(xq) if segments else None,
+        token = None
+        if eps is not None:
+            token = _per_backend(
+                lambda xq, eps: _dot(eps, xq, ((0, 1), (0, 1)), precision=_HIGHEST)[:, None],
+                xq,
+                eps,
+                cpu=_kernels_cpu.token_dw,
             )
-
-        return _per_backend(
-            factors(lambda xq, eps: _dot(eps, xq, ((0, 1), (0, 1)), precision=_HIGHEST)[:, None]),
-            xq,
-            eps,
-            cpu=factors(_kernels_cpu.token_dw),
-            tpu=lambda xq, eps: _kernels_tpu.example_xq_sums(xq, eps, segments),
-        )
+        return token, self.segment_sums(xq) if segments else None
 
     def channel_dw(self, xsum, am):
         return _per_backend(

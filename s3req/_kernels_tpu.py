@@ -29,17 +29,9 @@ so the terms are computed in the backward, when the layer needs them:
   them in the forward, right after `Wq`, and kept them until the dX correction: dX-only EC
   needed +5.7% at W6 and W7, +20.6% at W9. They are taken once the codes exist (`after`),
   outside `shard_map` (inside it the codes vary over more mesh axes than the weights).
-- *The factors that read `Xq`*, `Xq^T eps` and the sums of `Xq` over every example's
-  tokens, are one int8 contraction over the tokens of the columns `[digits of eps, ones]`
-  with `Xq` (`example_xq_sums`, as the expert GEMM's `xq_sums` below). As a float32 product
-  with the vector `eps`, XLA:TPU computed `Xq^T eps` as a reduction over the tokens and
-  laid out `Xq`, and the activations it is computed from, with the tokens as the minor
-  axis; the forward GEMM then read `Xq` from a row-major copy, and at `061997a` two-way EC
-  held 68.3 MiB more live bytes than S3R at W2 (`benchmarks/tpu_packing.py`). As one
-  contraction it holds S3R's live bytes there.
-- *The sums of the gradient's codes over the tokens* are an int8 product with a ones vector
-  (`token_sums`): as a reduction over their middle axis XLA:TPU first copies the codes into
-  another layout.
+- *The sums of the codes over the tokens* (`Xq`'s, for the channel term) are an int8 product
+  with a ones vector (`token_sums`): as a reduction over their middle axis XLA:TPU first
+  copies the codes into another layout.
 
 **The expert GEMM's statistics.** In the reference the sums over the rows of every
 `(example, expert)` segment are `jax.ops.segment_sum`s, and `Xq_e^T eps_e` a float32
@@ -168,10 +160,8 @@ from ._gemms import (
     check_sum_terms,
     chunk_group_sizes,
     digit_weights,
-    dot,
     HIGHEST,
     int8_digits,
-    MAX_TERMS,
     ragged,
     ragged_row_chunks,
     ragged_rows,
@@ -321,43 +311,6 @@ def token_sums(q: Int8[Array, "b s n"]) -> Float[Array, "b n"]:
     ones = jnp.ones((q.shape[1],), jnp.int8)
     dims = (((1,), (0,)), ((), ()))
     return jax.lax.dot_general(q, ones, dims, preferred_element_type=_I32).astype(_F32)
-
-
-def example_xq_sums(
-    xq: Int8[Array, "b s h"], eps: Float[Array, "b s"] | None, segments: bool
-) -> tuple[Float[Array, "h 1"] | None, Float[Array, "b h"] | None]:
-    """The factors of a dense layer's dW terms that read `Xq`, from one int8 contraction
-    over the tokens of every example (exact int32 sums): `Xq^T eps` (`None` without `eps`),
-    with `EPS_DIGITS` digits of `eps` (`int8_digits`, `eps` as one row) weighted by the
-    digits' weights and summed over the examples, and the sums of `Xq` over the tokens of
-    every example (`None` unless `segments`), with a column of ones. The columns `[digits of
-    eps, ones]` are the left operand and `Xq` the right one, contracted over the tokens as
-    the dW GEMM contracts it, so `Xq` is read in the layout the GEMMs read it in. Past
-    `MAX_TERMS` tokens per example the int32 sums of the digits' products could overflow:
-    there `Xq^T eps` is the reference's float32 product."""
-    B, S, H = xq.shape
-    check_sum_terms(S)
-    columns, weights, token = [], None, None
-    if eps is not None and S > MAX_TERMS:
-        token, eps = dot(eps, xq, ((0, 1), (0, 1)), precision=HIGHEST)[:, None], None
-    if eps is not None:
-        digits, scale = int8_digits(eps.reshape(1, B * S), EPS_DIGITS)  # (digits, 1, b s)
-        columns.append(jnp.moveaxis(digits.reshape(EPS_DIGITS, B, S), 0, -1))
-        weights = scale * digit_weights(EPS_DIGITS)
-    if segments:
-        columns.append(jnp.ones((B, S, 1), jnp.int8))
-    if not columns:
-        return token, None
-    dims = (((1,), (1,)), ((0,), (0,)))
-    lhs = jnp.concatenate(columns, axis=-1)
-    sums = jax.lax.dot_general(lhs, xq, dims, preferred_element_type=_I32)  # (b, columns, h)
-    xsum = None
-    if weights is not None:
-        digit_sums = sums[:, :EPS_DIGITS].astype(_F32) * weights[None, :, None]
-        token = jnp.sum(digit_sums, axis=(0, 1))[:, None]
-    if segments:
-        xsum = sums[:, -1].astype(_F32)
-    return token, xsum
 
 
 def _replicated(v: Float[Array, "n ..."]) -> Float[Array, "n ..."]:
