@@ -109,6 +109,11 @@ TARGET_DX_PCT, TARGET_TWO_WAY_PCT, TARGET_MOE_RATIO = 5.0, 14.0, 2.0
 FULL_DEPTH_PER_CHIP = 1
 """Sequences per chip of the steps at their real depth (`--parts full`): at Table IV's 4 the
 compiler refuses the MoE models (the page says so and compiles a layer cut)."""
+FULL_DEPTH_MESHES = {"qwen3-30b-a3b": ("v5p:2x2x2", {"fsdp": 4, "tp": 2})}
+"""The topology and mesh of `--parts full` for the models whose real depth does not fit the
+tables' 4 chips even at `FULL_DEPTH_PER_CHIP` sequences per chip (Qwen3-30B-A3B: its float32
+parameters and AdamW state alone are about 91 GB per chip there, and the compiler asked for
+171.4G at engine `4231300`): the same sequences per chip and `tp`, twice the `fsdp` shards."""
 SMOKE_PER_CHIP, SMOKE_SEQ = 2, 40
 """Sequences per chip and tokens per sequence of `--smoke`'s steps: a global batch of 8 x 40,
 whose sizes match no other dimension of the tiny presets' buffers, so `check_split` cannot
@@ -519,7 +524,9 @@ def main(argv: list[str] | None = None) -> dict:
         seq, per_chip = (SMOKE_SEQ, SMOKE_PER_CHIP) if args.smoke else (4096, FULL_DEPTH_PER_CHIP)
         for preset in presets:
             label, cfg = names.get(preset, preset), models.get_config(preset)
-            depth, batch = cfg.n_layers, per_chip * mesh2.devices.size
+            topology, shape = FULL_DEPTH_MESHES.get(preset, (TOPOLOGY, dict(mesh2.shape)))
+            full_mesh = tpu_mesh(shape, topology=topology)
+            depth, batch = cfg.n_layers, per_chip * full_mesh.devices.size
             # --smoke: top-3 routing, so a chip's routed rows (batch / 2 x seq x 3) match no
             # global count for `check_split` (with top-2 over fsdp=2 they equal the tokens).
             overrides = (
@@ -534,11 +541,15 @@ def main(argv: list[str] | None = None) -> dict:
                     "per_chip": per_chip,
                     "seq": seq,
                     "batch": batch,
+                    "topology": topology,
+                    "mesh": shape,
                 }
             )
             for p in pols:
                 try:
-                    prog, cfg, _ = compile_step(p, mesh2, preset, depth, seq, per_chip, overrides)
+                    prog, cfg, _ = compile_step(
+                        p, full_mesh, preset, depth, seq, per_chip, overrides
+                    )
                 except jax.errors.JaxRuntimeError as e:
                     if (why := _refused(e)) is None:
                         raise
@@ -1284,6 +1295,13 @@ def _full_depth_section(full: dict, dense: dict, chips: int) -> list[str]:
     `FULL_DEPTH_PER_CHIP` sequences per chip (`--parts full`); `dense`: the tables' rows of
     the dense models, for the reading, over `chips` chips."""
     first = next(iter(full.values()))
+    here = [m for m in full.values() if m.get("topology", TOPOLOGY) == TOPOLOGY]
+    moved = [
+        f"{n} on {m['topology']} as {' x '.join(f'{k}={v}' for k, v in m['mesh'].items())} "
+        f"(a global batch of {m['batch']})"
+        for n, m in full.items()
+        if m.get("topology", TOPOLOGY) != TOPOLOGY
+    ]
     refused = [
         f"{n}: "
         + ", ".join(f"{p} ({_needed(r['message'])})" for p, r in m["refused"].items())
@@ -1298,11 +1316,20 @@ def _full_depth_section(full: dict, dense: dict, chips: int) -> list[str]:
         "## The models at their real depth with fewer sequences per chip",
         "",
         f"`python benchmarks/tpu_compile.py --parts full`: the same step at the models' real "
-        f"depth with {first['per_chip']} sequence(s) of {first['seq']} tokens per chip (a "
-        f"global batch of {first['batch']}): the compiler refuses the MoE models' full depth "
-        "at the tables' batch above, and the dense models are compiled at this batch too, so "
-        "that an MoE step's EC surplus is compared with a dense step's at the same batch. The "
-        "rows are comparable with each other, not with the tables above."
+        f"depth with {first['per_chip']} sequence(s) of {first['seq']} tokens per chip"
+        + (f" (on the tables' mesh a global batch of {here[0]['batch']})" if here else "")
+        + ": the compiler refuses the MoE models' full depth at the tables' batch above, and "
+        "the dense models are compiled at this batch too, so that an MoE step's EC surplus is "
+        "compared with a dense step's at the same batch. The rows are comparable with each "
+        "other, not with the tables above."
+        + (
+            " On more chips, where the real depth does not fit 4 even at this batch (the same "
+            "sequences per chip and `tp`, memory per chip; `FULL_DEPTH_MESHES`): "
+            + "; ".join(moved)
+            + "."
+            if moved
+            else ""
+        )
         + (
             " Refused by the compiler (the HBM it asked for; a v5p chip has 95.74G): "
             + "; ".join(refused)

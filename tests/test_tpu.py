@@ -485,7 +485,11 @@ def test_pages_check_targets_on_temporaries_and_peak(tmp_path):
     deep["refused"] = {"rtne": {"message": no_room, "commit": "abc"}}
     page = tc.markdown_table4(t4 | {"full_depth": {"Qwen3-30B-A3B": deep}})
     section = page[page.index("## The models at their real depth with fewer sequences") :]
-    assert "1 sequence(s) of 4096 tokens per chip (a global batch of 4" in section
+    assert (
+        "1 sequence(s) of 4096 tokens per chip (on the tables' mesh a global batch of 4)"
+        in section
+    )
+    assert "On more chips" not in section
     assert "(the HBM it asked for; a v5p chip has 95.74G): Qwen3-30B-A3B: rtne (" in section
     assert tc._needed(asked) == "180.69G"
     # A model whose every policy was refused keeps its refusals when the pages are rewritten.
@@ -513,8 +517,12 @@ def test_pages_check_targets_on_temporaries_and_peak(tmp_path):
     same |= {"seq": 4096, "batch": 4, "policies": {"s3r": step(5 * G, 30 * G)}}
     same["policies"]["s3r-ec-2way"] = step(5 * G + 4 * G // 10, 30 * G)
     both = {"Llama 3.1-8B": same, "Qwen3-30B-A3B": deep}
+    moved = {"topology": "v5p:2x2x2", "mesh": {"fsdp": 4, "tp": 2}, "batch": 8}
+    both = {"Llama 3.1-8B": same, "Qwen3-30B-A3B": deep | moved}
     section = tc.markdown_table4(t4 | {"full_depth": both})
     section = section[section.index("## The models at their real depth") :]
+    assert "On more chips, where the real depth does not fit 4" in section
+    assert "Qwen3-30B-A3B on v5p:2x2x2 as fsdp=4 x tp=2 (a global batch of 8)." in section
     reading = section[section.index("Reading (generated)") :]
     assert reading.startswith("Reading (generated): at the real depth with 1 sequence(s) per chip")
     assert "on the MoE steps +1.000 GB (Qwen3-30B-A3B, 2.5x) the largest dense surplus" in reading
