@@ -59,6 +59,7 @@ import table4_full_step as t4  # noqa: E402
 import models  # noqa: E402
 from policies import PRESETS  # noqa: E402
 from s3req import qdot  # noqa: E402
+from s3req._kernels_tpu import row_chunk  # noqa: E402
 from s3req.tpu import compile_for_tpu, HloTensor, tpu_mesh, TPUProgram  # noqa: E402
 from s3req.train import (  # noqa: E402
     make_optimizer,
@@ -258,15 +259,22 @@ def unsplit_activations(prog: TPUProgram, cfg, batch: int, seq: int) -> list[Hlo
     TPU segment sums slice a chip's rows into chunks of 65536, DeepSeek-V2-Lite's global
     token count), and so are the compiler's own copies (no JAX metadata): a copy is judged by
     the buffer it copies (the EC's per-row sums of such a chunk, `f32[65536,1]`, are copied
-    outside the `shard_map` scope)."""
+    outside the `shard_map` scope). The expert GEMMs' own outputs (the `ragged-dot` custom
+    calls, which carry no JAX scope) are left out where they lead with the engine's chunk of
+    a chip's routed rows (`_kernels_tpu.row_chunk`): on 8 chips with 1 sequence each the
+    global token count, 32768, is that chunk."""
     tokens = batch * seq
     flat = {tokens} | ({tokens * cfg.moe.top_k} if cfg.moe is not None else set())
+    fsdp = prog.mesh.get("fsdp", 1)
+    top_k = cfg.moe.top_k if cfg.moe is not None else 0
+    chunk = row_chunk(batch // fsdp * seq * top_k) if top_k else None
     return [
         b
         for b in prog.buffers()
         if b.shape
         and b.op_name
         and "shard_map" not in b.op_name
+        and not (b.op_name.startswith("ragged-dot") and b.shape[0] == chunk)
         and ((b.shape[0] == batch and seq in b.shape[1:]) or b.shape[0] in flat)
     ]
 
