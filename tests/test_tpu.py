@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import models
 import s3req.tpu
-from s3req.tpu import compile_for_tpu, parse_gemms, tpu_mesh
+from s3req.tpu import compile_for_tpu, HloTensor, parse_gemms, tpu_mesh
 from s3req.tpu._hlo import program_structure
 
 
@@ -589,6 +589,27 @@ def test_v5p_train_step_keeps_the_batch_split(preset):
 
 # -m slow (about 10-80 s each here, depending on the load): the default tests above fail
 # on a step that loses the split; these show the check catching one.
+def test_split_check_leaves_out_the_expert_gemms_row_chunks():
+    """`unsplit_activations` on Qwen3-30B-A3B's step on 8 chips (fsdp 4) with 1 sequence
+    each: the global token count, 32768, is also the engine's chunk of a chip's 65536 routed
+    rows. The expert GEMM's `ragged-dot` output of one chunk is not flagged; a JAX operation's
+    buffer leading with the token count, or a `ragged-dot` one with all the routed rows of
+    the batch, is."""
+    tc = _benchmark()
+    cfg = models.get_config("qwen3-30b-a3b")
+    assert cfg.moe is not None
+    batch, seq = 8, 4096
+    assert tc.row_chunk(batch // 4 * seq * cfg.moe.top_k) == batch * seq
+    buffers = [
+        HloTensor("chunk", "s32", (batch * seq, 2048), "ragged-dot-none", "custom-call"),
+        HloTensor("tokens", "bf16", (batch * seq, 2048), "jit(step)/reshape", "fusion"),
+        HloTensor("rows", "s32", (batch * seq * 8, 384), "ragged-dot-none", "custom-call"),
+    ]
+    prog = types.SimpleNamespace(mesh={"fsdp": 4, "tp": 2}, buffers=lambda: buffers)
+    bad = tc.unsplit_activations(prog, cfg, batch, seq)  # pyright: ignore[reportArgumentType]
+    assert [b.name for b in bad] == ["tokens", "rows"]
+
+
 @needs_libtpu
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
@@ -614,7 +635,7 @@ def test_v5p_expert_gradients_leave_the_layer_scan_without_copies(monkeypatch):
     copies them (the check can fail)."""
     from s3req import _backward
 
-    overrides = dict(_STEP, n_layers=3, d_model=256)
+    overrides: dict = dict(_STEP, n_layers=3, d_model=256)
     del overrides["d_ff"]
     overrides["moe"] = models.MoEConfig(n_experts=8, top_k=2, d_expert=384)
     mesh = tpu_mesh({"fsdp": 2, "tp": 2})
