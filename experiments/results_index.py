@@ -370,7 +370,11 @@ def tpu(d: pathlib.Path) -> list[str]:
         ]
     # Every model at its real depth, with fewer sequences per chip (`--parts full`): the
     # dense rows there are the like-for-like scale of the MoE rows' EC surplus.
-    deep = [(n, m["policies"]) for n, m in (t4 or {}).get("full_depth", {}).items()]
+    here = (t4 or {}).get("meta", {}).get("topology")
+    deep = [
+        (n + (f" on {m['topology']}" if m.get("topology", here) != here else ""), m["policies"])
+        for n, m in (t4 or {}).get("full_depth", {}).items()
+    ]
     deep = [(n, P) for n, P in deep if P]
     if deep:
         per_chip = next(iter((t4 or {})["full_depth"].values()))["per_chip"]

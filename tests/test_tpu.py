@@ -531,7 +531,7 @@ def test_pages_check_targets_on_temporaries_and_peak(tmp_path):
     assert "| Llama 3.1-8B | 32 (0 MoE) |" in section
     (tmp_path / "tpu_table4.json").write_text(json.dumps(t4 | {"full_depth": both}))
     index = "\n".join(_results_index().tpu(tmp_path))
-    assert "| +0.400 (Llama 3.1-8B), +1.000 (Qwen3-30B-A3B) |" in index
+    assert "| +0.400 (Llama 3.1-8B), +1.000 (Qwen3-30B-A3B on v5p:2x2x2) |" in index
 
     # Rows of a superseded engine are removed and named on the page until recompiled.
     for r in moe.values():
