@@ -1542,15 +1542,23 @@ def _reading_table4(s: dict) -> str | None:
     parts = [x for m in STEP_METRICS if (x := _reading_step_metric(s["models"], m)) is not None]
     if not parts:
         return None
+    cut = [n for n, m in s["models"].items() if not _full_depth(m)]
+    deep = [n for n in cut if s.get("full_depth", {}).get(n, {}).get("policies")]
     return (
         "Reading (generated): "
         + "; ".join(parts)
         + "."
         + (
             " With full rematerialisation one layer's backward temporaries are live at a "
-            "time, so a correction's surplus need not grow with the depth; this page does not "
-            "check that for the layer cuts, so a full model's difference may be larger."
-            if any(not _full_depth(m) for m in s["models"].values())
+            "time, so a correction's surplus need not grow with the depth; "
+            + (
+                f"the last section compiles {', '.join(deep)} at the real depth, with fewer "
+                "sequences per chip."
+                if deep
+                else "this page does not check that for the layer cuts, so a full model's "
+                "difference may be larger."
+            )
+            if cut
             else ""
         )
     )

@@ -529,6 +529,8 @@ def test_pages_check_targets_on_temporaries_and_peak(tmp_path):
     assert "(target: within 2x: above it for Qwen3-30B-A3B)" in reading
     assert "+0.400 GB (Llama 3.1-8B) (target and paper: at most +0.4 GB: within it" in reading
     assert "| Llama 3.1-8B | 32 (0 MoE) |" in section
+    tables = tc.markdown_table4(t4 | {"full_depth": both})
+    assert "the last section compiles Qwen3-30B-A3B at the real depth, with fewer" in tables
     (tmp_path / "tpu_table4.json").write_text(json.dumps(t4 | {"full_depth": both}))
     index = "\n".join(_results_index().tpu(tmp_path))
     assert "| +0.400 (Llama 3.1-8B), +1.000 (Qwen3-30B-A3B on v5p:2x2x2) |" in index
