@@ -112,9 +112,9 @@ FULL_DEPTH_PER_CHIP = 1
 compiler refuses the MoE models (the page says so and compiles a layer cut)."""
 FULL_DEPTH_MESHES = {"qwen3-30b-a3b": ("v5p:2x2x2", {"fsdp": 4, "tp": 2})}
 """The topology and mesh of `--parts full` for the models whose real depth does not fit the
-tables' 4 chips even at `FULL_DEPTH_PER_CHIP` sequences per chip (Qwen3-30B-A3B: its float32
-parameters and AdamW state alone are about 91 GB per chip there, and the compiler asked for
-171.4G at engine `4231300`): the same sequences per chip and `tp`, twice the `fsdp` shards."""
+tables' 4 chips even at `FULL_DEPTH_PER_CHIP` sequences per chip (Qwen3-30B-A3B: the
+compiler asked for 171.4G there at engine `4231300`): the same sequences per chip and `tp`,
+twice the `fsdp` shards."""
 SMOKE_PER_CHIP, SMOKE_SEQ = 2, 40
 """Sequences per chip and tokens per sequence of `--smoke`'s steps: a global batch of 8 x 40,
 whose sizes match no other dimension of the tiny presets' buffers, so `check_split` cannot
