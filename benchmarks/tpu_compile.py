@@ -316,7 +316,10 @@ def split_facts(prog: TPUProgram, cfg, batch: int, seq: int) -> dict:
 
 
 def _step_row(prog: TPUProgram, cfg, batch: int, seq: int) -> dict:
-    """A compiled training step's JSON row: memory, program facts, engine commit, split check."""
+    """A compiled training step's JSON row: memory, program facts, engine commit, split check,
+    and where the step's buffers were read (`buffers=True`) the live temporaries at the
+    block's busiest instruction, in the block and in the outputs' buffers."""
+    packing = prog.packing
     return {
         "memory": prog.summary()["memory"],
         "fusions": prog.fusions,
@@ -325,7 +328,18 @@ def _step_row(prog: TPUProgram, cfg, batch: int, seq: int) -> dict:
         "compile_seconds": prog.compile_seconds,
         "commit": _commit(),
         "split_check": split_facts(prog, cfg, batch, seq),
-    }
+    } | (
+        {}
+        if packing is None
+        else {
+            "packing": {
+                "heap": packing.heap,
+                "live": packing.live,
+                "in_outputs": packing.in_outputs,
+                "live_at": packing.live_at,
+            }
+        }
+    )
 
 
 def _refused(e: Exception) -> str | None:
@@ -556,7 +570,7 @@ def main(argv: list[str] | None = None) -> dict:
             for p in pols:
                 try:
                     prog, cfg, _ = compile_step(
-                        p, full_mesh, preset, depth, seq, per_chip, overrides
+                        p, full_mesh, preset, depth, seq, per_chip, overrides, buffers=True
                     )
                 except jax.errors.JaxRuntimeError as e:
                     if (why := _refused(e)) is None:

@@ -67,6 +67,29 @@ def test_buffer_packing_sees_a_hole():
     assert (pk.heap, pk.live, pk.hole) == (4 * MiB, 3 * MiB, MiB)
 
 
+def test_buffer_packing_counts_the_temporaries_in_the_outputs_buffers():
+    """An output's buffer (allocation 3) holds the temporary `e` until the output `o` is
+    written: `e` is live at the busiest step (1) beside the block's `a` and `b`; `f`, a tuple
+    element sharing `e`'s bytes, counts once, `g` is dead by then. The output `r`, written
+    early and live to the end, and the parameter's `q` are not temporaries."""
+    text = _ASSIGNMENT + (
+        f"allocation 3: size {4 * MiB}, maybe-live-out:\n"
+        f" value: <7 e @0> (size={4 * MiB},offset=0): f32[1048576]\n"
+        f" value: <8 f{{0}} @0> (size={MiB},offset=0): f32[262144]\n"
+        f" value: <9 g @0> (size={2 * MiB},offset=0): f32[524288]\n"
+        f" value: <10 o @0> (size={4 * MiB},offset=0): f32[1048576]\n"
+        f"allocation 4: size 512, parameter 1, maybe-live-out:\n"
+        f" value: <11 q @0> (size=512,offset=0): f32[128]\n"
+        f"allocation 5: size {MiB}, maybe-live-out:\n"
+        f" value: <12 r @0> (size={MiB},offset=0): f32[262144]\n"
+    )
+    ranges = "    e{}:1-2\n    f{0}:1-1\n    g{}:0-0\n    o{}:3-4\n    q{}:0-4\n    r{}:0-4\n"
+    pk = buffer_packing(text, _LIVE.replace("    v{}:0-3\n", "    v{}:0-3\n" + ranges))
+    assert (pk.live, pk.live_at) == (3 * MiB, "b")
+    assert pk.in_outputs == 4 * MiB
+    assert buffer_packing(_ASSIGNMENT, _LIVE).in_outputs == 0
+
+
 # A hole made by a small buffer: `a` (2 MiB at 0) dies at step 0, `s` (64 KiB) is placed at
 # 1 MiB inside the range `a` freed and lives on, so `t` (2 MiB, steps 2-3) goes on top of the
 # long-lived `k` (1 MiB at 3 MiB): a block of 6 MiB for at most 3 MiB + 64 KiB live.

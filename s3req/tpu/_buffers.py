@@ -26,6 +26,13 @@ class BufferPacking:
       byte ranges of the buffers live there, so buffers that share bytes count once).
     - `live_at`: the instruction where `live` is reached.
 
+    - `in_outputs`: the bytes of temporary values live at `live_at` that the compiler
+      placed in the buffers of the program's outputs rather than in the block: a buffer
+      that will hold an output is free until the output is written, and the compiler puts
+      temporaries there (a value that is itself an output, live to the end, is not
+      counted). `live + in_outputs` are the temporaries live at `live_at`; two programs
+      with the same sum hold as many temporaries there, whatever their `live`.
+
     On TPU v5p (libtpu of jax 0.10.2) the reported `MemoryAnalysis.temporaries` exceeds
     `heap` by the hole again, `temporaries = heap + hole` to within 0.1 MiB on the programs
     measured (`docs/results/tpu_packing.md`): a hole counts twice in `temporaries`, and not
@@ -35,6 +42,7 @@ class BufferPacking:
     heap: int
     live: int
     live_at: str
+    in_outputs: int = 0
     top: tuple["HeapTop", ...] = ()
     """The buffers that sit above `live` bytes, highest first (at most `TOP_BUFFERS`), each
     with what kept it from a lower place (a [`s3req.tpu.HeapTop`][]); empty without a hole
@@ -132,6 +140,24 @@ def _heap_values(assignment: str) -> tuple[int, dict[str, tuple[int, int, str]]]
     return heap, values
 
 
+def _output_values(assignment: str) -> dict[str, tuple[int, int, int]]:
+    """The values the compiler placed in the HBM buffers of the program's outputs (the
+    allocations marked `maybe-live-out`, other than parameters'), `name: (allocation,
+    offset, size)`."""
+    values, inside = {}, None
+    for line in assignment.splitlines():
+        m = _ALLOCATION.match(line)
+        if m:
+            attrs = m[2]
+            output = "maybe-live-out" in attrs and not ("color" in attrs or "parameter" in attrs)
+            inside = int(line.split()[1].rstrip(":")) if output else None
+            continue
+        m = _VALUE.match(line) if inside is not None else None
+        if m and int(m[3]) > 0:
+            values[m[1] + (m[2] or "{}")] = (inside, int(m[4]), int(m[3]))
+    return values
+
+
 def _live_ranges(live_range: str) -> tuple[list[str], dict[str, tuple[int, int]]]:
     """The instruction sequence and every value's live range (first and last step)."""
     steps, ranges, section = [], {}, None
@@ -206,7 +232,8 @@ def buffer_packing(
     """The packing facts of one program from the text of its
     `*after_optimizations-buffer-assignment.txt` and `*after_optimizations-live-range.txt`
     dumps. A value's live range includes both ends (a buffer defined at the step where
-    another dies does not share its bytes unless the compiler placed it there). With the
+    another dies does not share its bytes unless the compiler placed it there); a value live
+    to the program's last step is an output (`BufferPacking.in_outputs`). With the
     optimized HLO text (`*after_optimizations.txt`), `BufferPacking.top` says which buffers
     of at least `min_size` bytes sit above the live bytes and what kept them lower down, and
     `BufferPacking.busiest` which buffers are live at the busiest instruction."""
@@ -228,6 +255,13 @@ def buffer_packing(
         occupied = _occupied([(values[n][0], values[n][0] + values[n][1]) for n in alive])
         if occupied > live:
             live, live_at = occupied, t
+    # Temporaries in the outputs' buffers at `live_at` (each buffer's bytes counted once).
+    by_buffer: dict[int, list[tuple[int, int]]] = {}
+    for name, (buffer, offset, size) in _output_values(assignment).items():
+        first, last = ranges.get(name, (len(steps), len(steps)))
+        if first <= live_at <= last < len(steps):
+            by_buffer.setdefault(buffer, []).append((offset, offset + size))
+    in_outputs = sum(_occupied(v) for v in by_buffer.values())
     top, busiest = (), ()
     if hlo:
         ops = _op_names(hlo)
@@ -254,6 +288,7 @@ def buffer_packing(
         heap=heap,
         live=live,
         live_at=steps[live_at] if steps else "",
+        in_outputs=in_outputs,
         top=top,
         busiest=busiest,
     )
