@@ -315,6 +315,26 @@ def split_facts(prog: TPUProgram, cfg, batch: int, seq: int) -> dict:
     }
 
 
+STEP_PREFIX = "jit(traced)/jit(step)/"
+"""The `op_name` prefix of every JAX operation of a training step (`compile_step`)."""
+
+
+def made_by(b) -> str:
+    """What made a buffer: the JAX `op_name` of its instruction without the training step's
+    common prefix, or, for a buffer the compiler made, `(compiler)` and the kind of its
+    instruction (`copy-start`, `all-gather`, ...). Instruction numbers are dropped (the
+    compiler names some instructions' `op_name` after another instruction, `reshape.571`),
+    so the same buffer of two programs gets the same name."""
+    if b.op_name:
+        return re.sub(r"\.\d+$", "", b.op_name.removeprefix(STEP_PREFIX))
+    return "(compiler) " + re.sub(r"\.\d+$", "", b.name.split("{")[0])
+
+
+BUSIEST_FLOOR = 2**20
+"""Buffers live at a step's busiest instruction that its JSON row lists (`_step_row`): the
+ones of at least this many bytes, as `[shape, made_by, bytes]`."""
+
+
 def _step_row(prog: TPUProgram, cfg, batch: int, seq: int) -> dict:
     """A compiled training step's JSON row: memory, program facts, engine commit, split check,
     and where the step's buffers were read (`buffers=True`) the live temporaries at the
@@ -337,6 +357,11 @@ def _step_row(prog: TPUProgram, cfg, batch: int, seq: int) -> dict:
                 "live": packing.live,
                 "in_outputs": packing.in_outputs,
                 "live_at": packing.live_at,
+                "busiest": [
+                    [b.shape.split("{")[0], made_by(b), b.size]
+                    for b in packing.busiest
+                    if b.size >= BUSIEST_FLOOR
+                ],
             }
         }
     )
@@ -1382,8 +1407,50 @@ def _full_depth_section(full: dict, dense: dict, chips: int) -> list[str]:
         "",
         *_differences_table(compiled),
         "",
+        *_placement_lines(compiled),
         _full_depth_reading(compiled, dense, chips),
     ]
+
+
+PLACEMENT_POLICIES = ("s3r", "s3r-ec-dx", "s3r-ec-2way")
+"""The rows whose temporaries' placement the real-depth section shows (`_placement_lines`)."""
+
+
+def _live_mib(r: dict) -> tuple[float, float] | None:
+    """A step row's temporaries live at the busiest instruction of the block, MiB: in the
+    block and in the outputs' buffers (`BufferPacking.in_outputs`), or None unread."""
+    pk = r.get("packing")
+    return None if pk is None else (pk["live"] / 2**20, pk["in_outputs"] / 2**20)
+
+
+def _placement_lines(compiled: dict) -> list[str]:
+    """Where the temporaries of the real-depth rows sit at the block's busiest instruction
+    (rows compiled with `buffers=True`): in the block or in the outputs' buffers, and the
+    two together over S3R's; empty where no row has them."""
+    rows = [
+        (n, p, live)
+        for n, m in compiled.items()
+        for p in PLACEMENT_POLICIES
+        if p in m["policies"] and (live := _live_mib(m["policies"][p])) is not None
+    ]
+    if not rows:
+        return []
+    lines = [
+        "Temporaries live at the busiest instruction of the block of temporaries (MiB): in "
+        "the block (`BufferPacking.live`), in the buffers of the step's outputs before the "
+        "outputs are written (`in_outputs`: the compiler places temporaries there too), both "
+        "together, and the difference of the two together from S3R's. Two programs with the "
+        "same sum hold as many temporaries there: a difference of the block alone is where "
+        "the compiler placed them.",
+        "",
+        "| model | policy | in the block | in the outputs' buffers | together | together - S3R |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for n, p, (live, out) in rows:
+        base = _live_mib(compiled[n]["policies"].get("s3r", {}))
+        diff = "—" if base is None else f"{live + out - sum(base):+.1f}"
+        lines.append(f"| {n} | {p} | {live:.1f} | {out:.1f} | {live + out:.1f} | {diff} |")
+    return lines + [""]
 
 
 def _needed(message: str) -> str:
@@ -1399,10 +1466,12 @@ def _full_depth_reading(compiled: dict, dense: dict, chips: int) -> str:
     if any(n in DENSE for n in compiled):
         per_chip = next(iter(compiled.values()))["per_chip"]
         verdicts = [x for m in STEP_METRICS if (x := _reading_step_metric(compiled, m))]
+        placed = _placement_reading(compiled)
         return (
             f"Reading (generated): at the real depth with {per_chip} sequence(s) per chip, "
             + "; ".join(verdicts)
             + "."
+            + (f" {placed}" if placed else "")
         )
     parts = [
         f"{n}: S3R - RTNE {_both(m['policies'], 's3r', 'rtne')} GB, two-way - S3R "
@@ -1424,6 +1493,48 @@ def _full_depth_reading(compiled: dict, dense: dict, chips: int) -> str:
             f"total, at {first['batch'] // chips} sequences per chip)"
         )
     return text + "."
+
+
+def _busiest_changes(a: dict, b: dict, shown: int = 3) -> str:
+    """The buffers of at least `BUSIEST_FLOOR` bytes in the block at the busiest instruction
+    whose bytes differ between rows `a` and `b`, grouped by shape and `made_by`, the
+    largest changes first: `+32.0 MiB `bf16[2,4096,2048]` (compiler) wide.param, ...`."""
+    totals: dict[tuple[str, str], int] = {}
+    for sign, r in ((-1, a), (1, b)):
+        for shape, by, size in r["packing"].get("busiest", []):
+            totals[(shape, by)] = totals.get((shape, by), 0) + sign * size
+    changed = sorted(((k, v) for k, v in totals.items() if v), key=lambda kv: (-abs(kv[1]), kv[0]))
+    return ", ".join(f"{v / 2**20:+.1f} MiB `{shape}` {by}" for (shape, by), v in changed[:shown])
+
+
+def _placement_reading(compiled: dict) -> str | None:
+    """For the MoE rows whose EC adds to the temporaries' block, how much of that the EC
+    holds live (the block and the outputs' buffers together) and how much is placement."""
+    parts = []
+    for n, m in compiled.items():
+        if n in DENSE or (base := _live_mib(m["policies"].get("s3r", {}))) is None:
+            continue
+        for p, label in (("s3r-ec-dx", "dX-only"), ("s3r-ec-2way", "two-way")):
+            live = _live_mib(m["policies"].get(p, {}))
+            if live is None or live[0] <= base[0]:
+                continue
+            moved = _busiest_changes(m["policies"]["s3r"], m["policies"][p])
+            parts.append(
+                f"{n} {label} holds {live[0] - base[0]:+.1f} MiB over S3R in the block of "
+                f"temporaries at its busiest instruction"
+                + (f" ({moved})" if moved else "")
+                + f" and {sum(live) - sum(base):+.1f} MiB in the block and the outputs' "
+                "buffers together"
+            )
+    if not parts:
+        return None
+    return (
+        "Where the temporaries sit (the table above): "
+        + "; ".join(parts)
+        + ". What the block holds over S3R beyond the second figure are temporaries the "
+        "compiler placed in the block where for S3R it placed them in an output's buffer "
+        "(each counts in `temporaries` and in the peak; `temporaries` counts a hole twice)."
+    )
 
 
 def _full_depth(m: dict) -> bool:

@@ -23,13 +23,13 @@ compile; the page `tpu_packing.md` is rewritten.
 import argparse
 import dataclasses
 import pathlib
-import re
 import sys
 
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import tpu_compile as tc  # noqa: E402
+from tpu_compile import made_by, STEP_PREFIX  # noqa: E402
 
 import models  # noqa: E402
 from s3req.tpu import tpu_mesh  # noqa: E402
@@ -213,18 +213,6 @@ GROUP_FLOOR = 2**18
 kept in the JSON as one sum (`rest`)."""
 SHOWN_GROUPS = 10
 """Groups listed per policy on the page (the largest changes over S3R)."""
-_STEP_PREFIX = "jit(traced)/jit(step)/"
-
-
-def made_by(b) -> str:
-    """What made a buffer: the JAX `op_name` of its instruction without the training step's
-    common prefix, or, for a buffer the compiler made, `(compiler)` and the kind of its
-    instruction (`copy-start`, `all-gather`, ...). Instruction numbers are dropped (the
-    compiler names some instructions' `op_name` after another instruction, `reshape.571`),
-    so the same buffer of two programs gets the same name."""
-    if b.op_name:
-        return re.sub(r"\.\d+$", "", b.op_name.removeprefix(_STEP_PREFIX))
-    return "(compiler) " + re.sub(r"\.\d+$", "", b.name.split("{")[0])
 
 
 def busiest_groups(busiest) -> dict:
@@ -361,7 +349,7 @@ def _steps_section(steps: dict) -> list[str]:
         "surplus of peak over S3R is its surplus "
         "of bytes live at the busiest instruction (`BufferPacking.busiest`), grouped below "
         "by shape and the JAX operation that made them (op names without `"
-        + _STEP_PREFIX
+        + STEP_PREFIX
         + "`; steps are positions in XLA's schedule, which differs between "
         "policies).",
         "",

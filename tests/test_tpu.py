@@ -534,6 +534,28 @@ def test_pages_check_targets_on_temporaries_and_peak(tmp_path):
     (tmp_path / "tpu_table4.json").write_text(json.dumps(t4 | {"full_depth": both}))
     index = "\n".join(_results_index().tpu(tmp_path))
     assert "| +0.400 (Llama 3.1-8B), +1.000 (Qwen3-30B-A3B on v5p:2x2x2) |" in index
+    assert "Temporaries live at the busiest instruction" not in section  # no buffers read
+    # Rows read with their buffers: where the temporaries sit at the busiest instruction.
+    pk = lambda live, out, *busiest: {
+        "packing": {"heap": 0, "live": live * M, "in_outputs": out * M, "busiest": busiest}
+    }
+    carry = ["bf16[2,4096,2048]", "(compiler) wide.param", 32 * M]
+    chunk = ["s32[32768,384]", "shard_map/ragged_dot", 8 * M]
+    placed = {p: dict(r) for p, r in deep["policies"].items()}
+    placed["s3r"] |= pk(1000, 500, chunk)
+    placed["s3r-ec-2way"] |= pk(1040, 468, carry, chunk, chunk)  # the block +40, together +8
+    both["Qwen3-30B-A3B"] = deep | moved | {"policies": placed}
+    section = tc.markdown_table4(t4 | {"full_depth": both})
+    section = section[section.index("## The models at their real depth") :]
+    assert "| Qwen3-30B-A3B | s3r | 1000.0 | 500.0 | 1500.0 | +0.0 |" in section
+    assert "| Qwen3-30B-A3B | s3r-ec-2way | 1040.0 | 468.0 | 1508.0 | +8.0 |" in section
+    assert (
+        "Where the temporaries sit (the table above): Qwen3-30B-A3B two-way holds +40.0 MiB "
+        "over S3R in the block of temporaries at its busiest instruction (+32.0 MiB "
+        "`bf16[2,4096,2048]` (compiler) wide.param, +8.0 MiB `s32[32768,384]` "
+        "shard_map/ragged_dot) and +8.0 MiB in the block and the outputs' buffers together."
+        in section
+    )
 
     # Rows of a superseded engine are removed and named on the page until recompiled.
     for r in moe.values():
