@@ -1426,12 +1426,13 @@ def _live_mib(r: dict) -> tuple[float, float] | None:
 def _placement_lines(compiled: dict) -> list[str]:
     """Where the temporaries of the real-depth rows sit at the block's busiest instruction
     (rows compiled with `buffers=True`): in the block or in the outputs' buffers, and the
-    two together over S3R's; empty where no row has them."""
+    two together over S3R's, beside the reported temporaries and the block's size; empty
+    where no row has them."""
     rows = [
-        (n, p, live)
+        (n, p, m["policies"][p])
         for n, m in compiled.items()
         for p in PLACEMENT_POLICIES
-        if p in m["policies"] and (live := _live_mib(m["policies"][p])) is not None
+        if p in m["policies"] and "packing" in m["policies"][p]
     ]
     if not rows:
         return []
@@ -1439,17 +1440,25 @@ def _placement_lines(compiled: dict) -> list[str]:
         "Temporaries live at the busiest instruction of the block of temporaries (MiB): in "
         "the block (`BufferPacking.live`), in the buffers of the step's outputs before the "
         "outputs are written (`in_outputs`: the compiler places temporaries there too), both "
-        "together, and the difference of the two together from S3R's. Two programs with the "
-        "same sum hold as many temporaries there: a difference of the block alone is where "
-        "the compiler placed them.",
+        "together, and the difference of the two together from S3R's; beside them XLA's "
+        "`temporaries` and the block's size (`heap`): `temporaries - heap` are bytes the "
+        "compiler counts twice, on most programs the block's hole `heap - live`. Two programs "
+        "with the same sum hold as many temporaries there: a difference of the block alone "
+        "is where the compiler placed them.",
         "",
-        "| model | policy | in the block | in the outputs' buffers | together | together - S3R |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| model | policy | temporaries | block | in the block | in the outputs' buffers "
+        "| together | together - S3R |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for n, p, (live, out) in rows:
+    for n, p, r in rows:
+        live, out = _live_mib(r) or (0.0, 0.0)
         base = _live_mib(compiled[n]["policies"].get("s3r", {}))
         diff = "—" if base is None else f"{live + out - sum(base):+.1f}"
-        lines.append(f"| {n} | {p} | {live:.1f} | {out:.1f} | {live + out:.1f} | {diff} |")
+        lines.append(
+            f"| {n} | {p} | {r['memory']['temporaries'] / 2**20:.1f} | "
+            f"{r['packing']['heap'] / 2**20:.1f} | {live:.1f} | {out:.1f} | {live + out:.1f} "
+            f"| {diff} |"
+        )
     return lines + [""]
 
 
@@ -1532,8 +1541,9 @@ def _placement_reading(compiled: dict) -> str | None:
         "Where the temporaries sit (the table above): "
         + "; ".join(parts)
         + ". What the block holds over S3R beyond the second figure are temporaries the "
-        "compiler placed in the block where for S3R it placed them in an output's buffer "
-        "(each counts in `temporaries` and in the peak; `temporaries` counts a hole twice)."
+        "compiler placed in the block where for S3R it placed them in an output's buffer: "
+        "they count in the peak (the arguments, the outputs and the block's live bytes) and "
+        "in `temporaries`."
     )
 
 

@@ -537,7 +537,7 @@ def test_pages_check_targets_on_temporaries_and_peak(tmp_path):
     assert "Temporaries live at the busiest instruction" not in section  # no buffers read
     # Rows read with their buffers: where the temporaries sit at the busiest instruction.
     pk = lambda live, out, *busiest: {
-        "packing": {"heap": 0, "live": live * M, "in_outputs": out * M, "busiest": busiest}
+        "packing": {"heap": 1100 * M, "live": live * M, "in_outputs": out * M, "busiest": busiest}
     }
     carry = ["bf16[2,4096,2048]", "(compiler) wide.param", 32 * M]
     chunk = ["s32[32768,384]", "shard_map/ragged_dot", 8 * M]
@@ -547,14 +547,19 @@ def test_pages_check_targets_on_temporaries_and_peak(tmp_path):
     both["Qwen3-30B-A3B"] = deep | moved | {"policies": placed}
     section = tc.markdown_table4(t4 | {"full_depth": both})
     section = section[section.index("## The models at their real depth") :]
-    assert "| Qwen3-30B-A3B | s3r | 1000.0 | 500.0 | 1500.0 | +0.0 |" in section
-    assert "| Qwen3-30B-A3B | s3r-ec-2way | 1040.0 | 468.0 | 1508.0 | +8.0 |" in section
+    s3r, two_way = f"{9 * G / M:.1f}", f"{10 * G / M:.1f}"  # the rows' temporaries
+    assert f"| Qwen3-30B-A3B | s3r | {s3r} | 1100.0 | 1000.0 | 500.0 | 1500.0 | +0.0 |" in section
+    assert (
+        f"| Qwen3-30B-A3B | s3r-ec-2way | {two_way} | 1100.0 | 1040.0 | 468.0 | 1508.0 | +8.0 |"
+        in section
+    )
     assert (
         "Where the temporaries sit (the table above): Qwen3-30B-A3B two-way holds +40.0 MiB "
         "over S3R in the block of temporaries at its busiest instruction (+32.0 MiB "
         "`bf16[2,4096,2048]` (compiler) wide.param, +8.0 MiB `s32[32768,384]` "
-        "shard_map/ragged_dot) and +8.0 MiB in the block and the outputs' buffers together."
-        in section
+        "shard_map/ragged_dot) and +8.0 MiB in the block and the outputs' buffers together. "
+        "What the block holds over S3R beyond the second figure are temporaries the compiler "
+        "placed in the block" in section
     )
 
     # Rows of a superseded engine are removed and named on the page until recompiled.
