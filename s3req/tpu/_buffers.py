@@ -34,9 +34,11 @@ class BufferPacking:
       with the same sum hold as many temporaries there, whatever their `live`.
 
     On TPU v5p (libtpu of jax 0.10.2) the reported `MemoryAnalysis.temporaries` exceeds
-    `heap` by the hole again, `temporaries = heap + hole` to within 0.1 MiB on the programs
-    measured (`docs/results/tpu_packing.md`): a hole counts twice in `temporaries`, and not
-    at all in `live`.
+    `heap` by the hole again, `temporaries = heap + hole` to within 0.1 MiB on the FFN
+    blocks measured (`docs/results/tpu_packing.md`): a hole counts twice in `temporaries`,
+    and not at all in `live`. It can exceed it by more: on Qwen3-30B-A3B's real-depth
+    training step with dX-only EC (`docs/results/tpu_table4.md`), whose layer scan's
+    carried residual stream the compiler placed in the block, by that buffer's 32 MiB too.
     """
 
     heap: int
