@@ -702,10 +702,17 @@ def _engines(rows: dict[str, dict]) -> str:
     text = "engine at commits " + "; ".join(
         f"`{c}` ({', '.join(labels)})" for c, labels in by.items()
     )
+    return text + _same_engines(list(by))
+
+
+def _same_engines(commits: list[str]) -> str:
+    """` (`a`, `b` hold the same engine: ...)` for the commits whose engine trees are
+    identical, and `; N different engines, ...` where there are several."""
     engines: dict[str | None, list[str]] = {}
-    for c in by:
+    for c in commits:
         engines.setdefault(_engine_tree(c), []).append(c)
     same = [cs for tree, cs in engines.items() if tree is not None and len(cs) > 1]
+    text = ""
     if same:
         text += (
             " ("
@@ -1390,8 +1397,14 @@ def _full_depth_section(full: dict, dense: dict, chips: int) -> list[str]:
         return lines
     pols = [p for p in POLICIES if any(p in m["policies"] for m in compiled.values())]
     cut = {"models": compiled}
+    commits = list(
+        dict.fromkeys(
+            r.get("commit", "unknown") for m in compiled.values() for r in m["policies"].values()
+        )
+    )
     return lines + [
-        "Total step memory per chip (GiB), and the engine commit of each row:",
+        "Total step memory per chip (GiB), and the engine commit of each row"
+        + (f"{_same_engines(commits)}:" if len(commits) > 1 else ":"),
         "",
         *_step_table(cut, pols, "total", engines=True),
         "",

@@ -693,3 +693,10 @@ def test_engine_identity_ignores_the_compile_tool(monkeypatch):
     assert tc._engine_tree("a") == tc._engine_tree("b") != tc._engine_tree("c")
     text = tc._engines({"x": {"commit": "a"}, "y": {"commit": "b"}, "z": {"commit": "c"}})
     assert "`a`, `b` hold the same engine" in text and "2 different engines" in text
+    # The real-depth section says the same of its rows' commits.
+    row = lambda c: {"memory": {"total": 1, "peak": 1, "temporaries": 1}, "commit": c}
+    deep = {"n_layers": 48, "moe_layers": 48, "preset": "qwen3-30b-a3b", "per_chip": 1}
+    deep |= {"seq": 4096, "batch": 4, "policies": {"rtne": row("a"), "s3r": row("b")}}
+    section = "\n".join(tc._full_depth_section({"Qwen3-30B-A3B": deep}, {}, 4))
+    assert "engine commit of each row (`a`, `b` hold the same engine" in section
+    assert "different engines" not in section

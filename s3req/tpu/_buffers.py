@@ -25,7 +25,6 @@ class BufferPacking:
     - `live`: the most bytes of that block occupied at one instruction (the union of the
       byte ranges of the buffers live there, so buffers that share bytes count once).
     - `live_at`: the instruction where `live` is reached.
-
     - `in_outputs`: the bytes of temporary values live at `live_at` that the compiler
       placed in the buffers of the program's outputs rather than in the block: a buffer
       that will hold an output is free until the output is written, and the compiler puts
