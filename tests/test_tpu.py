@@ -659,6 +659,7 @@ def test_v5p_unpinned_step_holds_the_global_batch(preset):
 
 
 @needs_libtpu
+@pytest.mark.slow  # two step compiles, about 50 s; the rule itself: test_h_minor_is_the_...
 def test_v5p_expert_gradients_leave_the_layer_scan_without_copies(monkeypatch):
     """A 3-layer MoE step whose gate and up experts are `(8, 256, 192)` per `tp` shard
     (stored `(3, 8, 128, 192)` per chip, laid out with the 128-wide axis minor, as
