@@ -123,40 +123,48 @@ _STEP = re.compile(r"\s+(\d+):(\S+)$")
 _OP_NAME = re.compile(r"\s*(?:ROOT )?%?(\S+) = .*?\bop_name=\"([^\"]*)\"")
 
 
-def _heap_values(assignment: str) -> tuple[int, dict[str, tuple[int, int, str]]]:
-    """The size of the HBM temporary block and its values, `name: (offset, size, shape)`."""
-    heap, values, inside = 0, {}, False
+class _Allocation(typing.NamedTuple):
+    """One allocation of a buffer-assignment dump: its size, attributes (`preallocated-temp`,
+    `maybe-live-out`, `parameter N`, `color N`, ...) and values, `name: (offset, size,
+    shape)` (zero-size values left out)."""
+
+    size: int
+    attrs: str
+    values: dict[str, tuple[int, int, str]]
+
+
+def _allocations(assignment: str) -> list[_Allocation]:
+    """The allocations of a buffer-assignment dump, in its order."""
+    out: list[_Allocation] = []
     for line in assignment.splitlines():
         m = _ALLOCATION.match(line)
         if m:
-            # Memory space 0 is written without a color; other spaces (VMEM, SMEM) with one.
-            inside = "preallocated-temp" in m[2] and "color" not in m[2]
-            if inside:
-                heap = int(m[1])
+            out.append(_Allocation(int(m[1]), m[2], {}))
             continue
-        m = _VALUE.match(line) if inside else None
+        m = _VALUE.match(line) if out else None
         if m and int(m[3]) > 0:
             shape = line.split("): ", 1)[1].strip() if "): " in line else ""
-            values[m[1] + (m[2] or "{}")] = (int(m[4]), int(m[3]), shape)
-    return heap, values
+            out[-1].values[m[1] + (m[2] or "{}")] = (int(m[4]), int(m[3]), shape)
+    return out
 
 
-def _output_values(assignment: str) -> dict[str, tuple[int, int, int]]:
-    """The values the compiler placed in the HBM buffers of the program's outputs (the
-    allocations marked `maybe-live-out`, other than parameters'), `name: (allocation,
-    offset, size)`."""
-    values, inside = {}, None
-    for line in assignment.splitlines():
-        m = _ALLOCATION.match(line)
-        if m:
-            attrs = m[2]
-            output = "maybe-live-out" in attrs and not ("color" in attrs or "parameter" in attrs)
-            inside = int(line.split()[1].rstrip(":")) if output else None
-            continue
-        m = _VALUE.match(line) if inside is not None else None
-        if m and int(m[3]) > 0:
-            values[m[1] + (m[2] or "{}")] = (inside, int(m[4]), int(m[3]))
-    return values
+def _heap_values(allocations: list[_Allocation]) -> tuple[int, dict[str, tuple[int, int, str]]]:
+    """The size of the HBM temporary block and its values, `name: (offset, size, shape)`.
+    Memory space 0 (HBM) is written without a color; other spaces (VMEM, SMEM) with one."""
+    for a in allocations:
+        if "preallocated-temp" in a.attrs and "color" not in a.attrs:
+            return a.size, a.values
+    return 0, {}
+
+
+def _output_buffers(allocations: list[_Allocation]) -> list[_Allocation]:
+    """The HBM allocations of the program's outputs (`maybe-live-out`, other than
+    parameters'): their values are the outputs and the temporaries placed there before."""
+    return [
+        a
+        for a in allocations
+        if "maybe-live-out" in a.attrs and not ("color" in a.attrs or "parameter" in a.attrs)
+    ]
 
 
 def _live_ranges(live_range: str) -> tuple[list[str], dict[str, tuple[int, int]]]:
@@ -238,7 +246,8 @@ def buffer_packing(
     optimized HLO text (`*after_optimizations.txt`), `BufferPacking.top` says which buffers
     of at least `min_size` bytes sit above the live bytes and what kept them lower down, and
     `BufferPacking.busiest` which buffers are live at the busiest instruction."""
-    heap, values = _heap_values(assignment)
+    allocations = _allocations(assignment)
+    heap, values = _heap_values(allocations)
     steps, ranges = _live_ranges(live_range)
     missing = sorted(set(values) - set(ranges))
     if not values or missing:
@@ -257,12 +266,16 @@ def buffer_packing(
         if occupied > live:
             live, live_at = occupied, t
     # Temporaries in the outputs' buffers at `live_at` (each buffer's bytes counted once).
-    by_buffer: dict[int, list[tuple[int, int]]] = {}
-    for name, (buffer, offset, size) in _output_values(assignment).items():
-        first, last = ranges.get(name, (len(steps), len(steps)))
-        if first <= live_at <= last < len(steps):
-            by_buffer.setdefault(buffer, []).append((offset, offset + size))
-    in_outputs = sum(_occupied(v) for v in by_buffer.values())
+    in_outputs = sum(
+        _occupied(
+            [
+                (offset, offset + size)
+                for name, (offset, size, _) in a.values.items()
+                if name in ranges and ranges[name][0] <= live_at <= ranges[name][1] < len(steps)
+            ]
+        )
+        for a in _output_buffers(allocations)
+    )
     top, busiest = (), ()
     if hlo:
         ops = _op_names(hlo)
