@@ -204,6 +204,8 @@ def test_v5p_packing_of_a_layer():
     assert 0 < pk.live <= pk.heap <= m.temporaries
     assert abs(m.temporaries - pk.heap - pk.hole) <= MiB // 10, (m, pk)
     assert read.summary()["packing"]["hole"] == pk.hole
+    # Temporaries placed in the outputs' buffers fit in them.
+    assert 0 <= pk.in_outputs <= m.outputs
     # The buffers live at the busiest instruction hold its live bytes (values of one tuple
     # may share bytes, so their sizes may add to more), largest first, each live there.
     sizes = [b.size for b in pk.busiest]
