@@ -27,6 +27,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jaxtyping import Array, Int, PRNGKeyArray
 
 from . import _kernels_cpu, _kernels_gpu, _kernels_tpu
@@ -248,6 +249,13 @@ class AbstractLayer(eqx.Module):
         programs of a backend whose kernel does so, the same values with the factors summed
         over the chips before the GEMMs read the codes (see `_ErrorTerms.sum_factors_first`)."""
 
+    @abc.abstractmethod
+    def together(self, dx: Array, dw: Array) -> tuple[Array, Array]:
+        """`(dx, dw)` of a backward pass whose dW has error-correction terms, as the layer
+        hands them on: as they are, or, in the programs of a backend whose kernel does so,
+        neither before both exist (so the dW terms' factors are not kept until the end of
+        the backward; `_kernels_tpu.together`)."""
+
 
 @typing.final
 class Dense(AbstractLayer):
@@ -258,9 +266,10 @@ class Dense(AbstractLayer):
     (`HIGHEST`: TPU's default precision would round the means to bf16). XLA:TPU reads the
     int8 operand of an `f32 x s8` product as it is; on XLA:CPU they run on int8 digits of
     the means (`_kernels_cpu.digits_dot`). On TPU the factors of the dW terms are summed
-    over the chips before the GEMMs (`_kernels_tpu.sum_first`), and the row sums `Wq 1_D`
-    taken once the codes exist (`_kernels_tpu.after`). On CUDA the dX GEMM reads its codes
-    as plain operands (`_kernels_gpu.plain_operands`), outside `shard_map`.
+    over the chips before the GEMMs (`_kernels_tpu.sum_first`), the row sums `Wq 1_D`
+    taken once the codes exist (`_kernels_tpu.after`), and where dW has error-correction
+    terms dX is handed on only once dW exists (`_kernels_tpu.together`). On CUDA the dX GEMM
+    reads its codes as plain operands (`_kernels_gpu.plain_operands`), outside `shard_map`.
     """
 
     axes: ShardAxes = eqx.field(static=True)
@@ -328,10 +337,7 @@ class Dense(AbstractLayer):
     def segment_sums(self, v):
         if v.ndim == 2:  # per-row values, e.g. eps
             return jnp.sum(v, axis=1)
-        tpu = _kernels_tpu.token_sums if v.dtype == jnp.int8 else None
-        return _per_backend(
-            lambda v: _sum(v, 1), v, cpu=lambda v: _kernels_cpu.sums(v, 1), tpu=tpu
-        )
+        return _per_backend(lambda v: _sum(v, 1), v, cpu=lambda v: _kernels_cpu.sums(v, 1))
 
     def segment_tokens(self, q):
         return q.shape[1] * self.axes.size("seq")
@@ -389,6 +395,11 @@ class Dense(AbstractLayer):
         if self._sharded:  # `backward` adds the shard sums
             return token, segments, codes
         return _per_backend(lambda *v: v, token, segments, codes, tpu=_kernels_tpu.sum_first)
+
+    def together(self, dx, dw):
+        if self._sharded:  # the dW terms are added before the shard sum
+            return dx, dw
+        return _per_backend(lambda *v: v, dx, dw, tpu=_kernels_tpu.together)
 
 
 @typing.final
@@ -603,6 +614,9 @@ class Ragged(AbstractLayer):
         # adds the shard sums after the correction.
         return token, segments, codes
 
+    def together(self, dx, dw):
+        return dx, dw
+
 
 # --- the scale-folded gradient -------------------------------------------------------------
 
@@ -645,6 +659,9 @@ _SEGMENT_TERMS = frozenset({"dx_channel", "dx_structured", "dw_channel"})
 
 _DX_TERMS = frozenset({"dx_token", "dx_channel", "dx_structured"})
 """The terms of dX (`correct_dx` asks for them, for the rows of its dX)."""
+
+_DW_TERMS = frozenset({"dw_token", "dw_channel"})
+"""The terms of dW (`correct_dw` asks for them)."""
 
 
 class _ErrorTerms(AbstractErrorTerms):
@@ -1068,11 +1085,21 @@ def _first_order_only_jvp(name, primals, tangents):
     )
 
 
-def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g, dx_dtype):
-    """dX (in `dx_dtype`, x's dtype) and dW (float32) of the quantized matmul for the upstream
-    gradient `g`, and the checks of that gradient (`gradient_checks`), for the caller to
-    attach to both. dX is cast by rows, so an expert GEMM's dX computed in chunks of rows is
-    written in x's dtype, not in float32."""
+def backward(
+    policy: AbstractPolicy,
+    layer: AbstractLayer,
+    residuals,
+    key,
+    g,
+    dx_dtype,
+    dw_wanted: bool = True,
+):
+    """dX (in `dx_dtype`, x's dtype; `None` where `dx_dtype` is `None`) and dW (float32;
+    `None` unless `dw_wanted`) of the quantized matmul for the upstream gradient `g`, the
+    checks of that gradient (`gradient_checks`), for the caller to attach to both, and
+    whether dW has error-correction terms (for `AbstractLayer.together`). A gradient not
+    wanted gets no error terms either. dX is cast by rows, so an expert GEMM's dX computed
+    in chunks of rows is written in x's dtype, not in float32."""
     xq, wq, sx, sw, (a, b) = residuals
     g, sx, sw = first_order_only(layer.name, (g, sx, sw))
     ax = layer.axes
@@ -1090,6 +1117,9 @@ def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g, dx
         jax.eval_shape(layer.gemm_dw, xq, codes_dw[0]),
     )
     asked = asked_terms(policy.correction, *shapes)
+    asked -= (_DX_TERMS if dx_dtype is None else frozenset()) | (
+        frozenset() if dw_wanted else _DW_TERMS
+    )
     terms = _ErrorTerms(layer, folded, codes_dx, codes_dw, xq, wq, asked)
     codes_dx, codes_dw = terms.sum_factors_first(codes_dx, codes_dw)
     # The two GEMMs, one set of codes feeding both unless the topology quantizes twice, and
@@ -1108,11 +1138,14 @@ def backward(policy: AbstractPolicy, layer: AbstractLayer, residuals, key, g, dx
         dx = ax.psum(policy.correction.correct_dx(view(part, take), dx), "d_out")
         return unshift(dx / take(sx), b + c).astype(dx_dtype)
 
-    dx = layer.by_rows(dx_rows)
-    dw = codes_dw[1] * layer.gemm_dw(xq, codes_dw[0])
-    dw = ax.psum(policy.correction.correct_dw(terms, dw), "batch", "seq")
-    dw = unshift(layer.weight_gradient(dw, sw), a + c)
-    return dx, dw, gradient_checks(amax, layer.name)
+    dx = dw = None
+    if dx_dtype is not None:
+        dx = layer.by_rows(dx_rows)
+    if dw_wanted:
+        dw = codes_dw[1] * layer.gemm_dw(xq, codes_dw[0])
+        dw = ax.psum(policy.correction.correct_dw(terms, dw), "batch", "seq")
+        dw = unshift(layer.weight_gradient(dw, sw), a + c)
+    return dx, dw, gradient_checks(amax, layer.name), bool(asked & _DW_TERMS)
 
 
 def _overflow(layer: AbstractLayer, which: str) -> str:
@@ -1132,26 +1165,52 @@ def quantized_matmul(policy: AbstractPolicy, layer: AbstractLayer, x, w, key):
 
 
 def _fwd(policy, layer, x, w, key):
-    y, residuals = forward(layer, x, w)
-    # Dtypes travel as zero-size arrays (numpy dtype objects cannot be residuals).
-    return y, (layer, residuals, key, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+    # With `symbolic_zeros=True` every leaf of the differentiated arguments comes as a
+    # `CustomVJPPrimal`: its value, and whether it is differentiated (`perturbed`). A
+    # gradient nobody asks for (frozen weights) is not computed: XLA would drop an unused one
+    # by itself, but not one tied to the other (`AbstractLayer.together`).
+    layer, key = jax.tree.map(lambda p: p.value, (layer, key), is_leaf=_is_primal)
+    y, residuals = forward(layer, x.value, w.value)
+    # Dtypes travel as zero-size arrays (numpy dtype objects cannot be residuals); `None`
+    # where the input is not differentiated.
+    like = lambda p: jnp.zeros((0,), p.value.dtype) if p.perturbed else None
+    return y, (layer, residuals, key, like(x), like(w))
+
+
+def _is_primal(v) -> bool:
+    return isinstance(v, CustomVJPPrimal)
 
 
 def _bwd(policy, saved, g):
     layer, residuals, key, x_like, w_like = saved
-    dx, dw, checks = backward(policy, layer, residuals, key, g, x_like.dtype)
+    if isinstance(g, SymbolicZero):  # `y` does not reach the loss
+        return None, None, None, None
+    dx, dw, checks, dw_terms = backward(
+        policy,
+        layer,
+        residuals,
+        key,
+        g,
+        None if x_like is None else x_like.dtype,
+        w_like is not None,
+    )
     # Each gradient carries one check: the upstream gradient's, then its own finiteness (the
-    # inputs were checked, so a non-finite one overflowed here). A program that uses only one
-    # of them computes only its check.
+    # inputs were checked, so a non-finite one overflowed here).
     ax = layer.axes
-    dw = dw.astype(w_like.dtype)
-    dx = dx * passed(
-        (*checks, _finite(dx, ("batch", "seq", "d_in"), _overflow(layer, "dX"))), ax, dx.dtype
-    )
-    dw = dw * passed(
-        (*checks, _finite(dw, ("d_in", "d_out"), _overflow(layer, "dW"))), ax, dw.dtype
-    )
+    if dx is not None:
+        dx = dx * passed(
+            (*checks, _finite(dx, ("batch", "seq", "d_in"), _overflow(layer, "dX"))),
+            ax,
+            dx.dtype,
+        )
+    if dw is not None:
+        dw = dw.astype(w_like.dtype)
+        dw = dw * passed(
+            (*checks, _finite(dw, ("d_in", "d_out"), _overflow(layer, "dW"))), ax, dw.dtype
+        )
+    if dw_terms and dx is not None:  # after the checks, whose flags are small buffers too
+        dx, dw = layer.together(dx, dw)
     return None, dx, dw, None
 
 
-quantized_matmul.defvjp(_fwd, _bwd)
+quantized_matmul.defvjp(_fwd, _bwd, symbolic_zeros=True)

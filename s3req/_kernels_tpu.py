@@ -29,9 +29,27 @@ so the terms are computed in the backward, when the layer needs them:
   them in the forward, right after `Wq`, and kept them until the dX correction: dX-only EC
   needed +5.7% at W6 and W7, +20.6% at W9. They are taken once the codes exist (`after`),
   outside `shard_map` (inside it the codes vary over more mesh axes than the weights).
-- *The sums of the codes over the tokens* (`Xq`'s, for the channel term) are an int8 product
-  with a ones vector (`token_sums`): as a reduction over their middle axis XLA:TPU first
-  copies the codes into another layout.
+- *dW and its terms, before the layers below run their backward* (`together`). The
+  partitioner sums a dense layer's int32 dW over the chips (an all-reduce) and the
+  correction follows that sum. Where the weights are small, XLA:TPU's all-reduce combiner
+  merged the dW sums of the FFN block's three projections into one at the end of the
+  backward (W1, W2: 4 and 16 MiB per projection), so the `down` projection's summed factors
+  (`f32[d, 1]`, `f32[B, d]`) and its checks' flags lived across the backward of `gate` and
+  `up`: small buffers in the middle of the block of temporaries that kept a freed range of
+  a gradient's size from being reused. Two-way EC needed +48.8% (W1) and +62.4% (W2)
+  temporaries over S3R, with the same live bytes at W1. `together` hands dX on only once the
+  checked dW exists (`jax.lax.optimization_barrier`), for layers whose dW has terms, so
+  that layer's dW sum and correction are done before the layers below it start: +0.1% at W1
+  and +0.2% at W2 (`benchmarks/tpu_compile.py`). What it costs: the compiler packs W9's block
+  with a larger hole (two-way +11.2% over S3R there, where it was +0.4%; its peak 2.6% below
+  S3R's), and on a TPU the dW sum of such a layer no longer overlaps with the backward of
+  the layers below it (the compiler's cost model, a model, moves by -5% to +0.7% on the
+  blocks; not timed on a TPU). Under `shard_map` the engine adds the terms before its own
+  shard sum, and nothing is tied.
+- *The sums of the codes over the tokens* (`Xq`'s, for the channel term) are a reduction
+  over the tokens (the reference's): as an int8 product with a ones vector, XLA:TPU laid the
+  `down` projection's codes out tokens-minor at W2 and kept a copy of its input in that
+  layout through the backward (two-way EC +68 MiB of live bytes, 13% over S3R's).
 
 **The expert GEMM's statistics.** In the reference the sums over the rows of every
 `(example, expert)` segment are `jax.ops.segment_sum`s, and `Xq_e^T eps_e` a float32
@@ -303,16 +321,6 @@ def token_dx(
     return ragged(eps[:, None], rw[:, None, :], group_sizes, ((1,), (1,)), True)
 
 
-def token_sums(q: Int8[Array, "b s n"]) -> Float[Array, "b n"]:
-    """The sums of int8 codes over the tokens of every example (exact in int32), as an
-    int8 product with a ones vector: XLA:TPU computes a reduction over the middle axis of the
-    codes from a copy of them in another layout."""
-    check_sum_terms(q.shape[1])
-    ones = jnp.ones((q.shape[1],), jnp.int8)
-    dims = (((1,), (0,)), ((), ()))
-    return jax.lax.dot_general(q, ones, dims, preferred_element_type=_I32).astype(_F32)
-
-
 def _replicated(v: Float[Array, "n ..."]) -> Float[Array, "n ..."]:
     """`v` itself, written as the product of an identity matrix with `v` (exact: float32 at
     `HIGHEST`): where `v`'s rows are split over chips by `jax.jit` sharding, the SPMD
@@ -341,6 +349,14 @@ def sum_first(token: Array | None, segments: tuple, codes: tuple) -> tuple:
     its partial products would be one more all-reduce, of the weight's size."""
     segments = tuple(_replicated(v) for v in segments)
     return jax.lax.optimization_barrier((token, segments, codes))
+
+
+def together(dx: Array, dw: Array) -> tuple[Array, Array]:
+    """`(dx, dw)`, neither before both exist (`jax.lax.optimization_barrier`): the layers
+    below this one run their backward only once this layer's dW, its sum over the chips and
+    its error correction are done, so the factors of the correction and the checks' flags do
+    not live on to the end of the backward (the module's docstring)."""
+    return jax.lax.optimization_barrier((dx, dw))
 
 
 def structured_dx(

@@ -505,6 +505,26 @@ def test_digits_dot_precision(getkey):
 
 
 # float32 activations run with -m slow (24 s here); bfloat16 runs the same transforms.
+@pytest.mark.parametrize("policy", [Policy(Nearest()), Policy(Phi2D(), TwoWayEC())], ids=policy_id)
+def test_a_gradient_not_asked_for_is_not_computed(policy, getkey):
+    """Differentiating x alone (frozen weights) or w alone gives the gradient that
+    differentiating both gives, and traces no GEMM for the other one: the VJP is told which
+    inputs are differentiated (`symbolic_zeros`). (On TPU two-way EC hands dX on only once
+    dW exists, `_kernels_tpu.together`, so XLA would not drop an unused dW there.)"""
+    x, w, key = jr.normal(getkey(), (2, 8, 16)), jr.normal(getkey(), (16, 32)), getkey()
+    loss = lambda x, w: jnp.sum(jnp.tanh(qdot(x, w, policy=policy, key=key)))
+    dx, dw = jax.grad(loss, argnums=(0, 1))(x, w)
+    np.testing.assert_array_equal(jax.grad(loss, argnums=0)(x, w), dx)
+    np.testing.assert_array_equal(jax.grad(loss, argnums=1)(x, w), dw)
+
+    def products(argnums) -> set:
+        eqns = dot_eqns(jax.grad(loss, argnums), x, w)
+        return {tuple(v.aval.shape) for e in eqns for v in e.outvars}
+
+    assert {(2, 8, 16), (16, 32)} <= products((0, 1))
+    assert (16, 32) not in products(0) and (2, 8, 16) not in products(1)
+
+
 @pytest.mark.parametrize(
     "dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow), jnp.bfloat16]
 )

@@ -51,6 +51,19 @@ def _vjp(policy, x, w, gs, g, key, ids):
     return run(x, w, gs, g, key, arrays)
 
 
+@pytest.mark.parametrize("policy", [Policy(Nearest()), Policy(Phi2D(), TwoWayEC())], ids=policy_id)
+def test_a_gradient_not_asked_for_is_the_same(policy, getkey):
+    """Differentiating the rows alone (frozen experts) or the experts alone gives the
+    gradient that differentiating both gives (the VJP computes only what is asked for)."""
+    x, w, gs, _, ids = _problem(getkey())
+    key = getkey()
+    f = lambda x, w: qragged_dot(x, w, gs, policy=policy, key=key, **ids)
+    loss = lambda x, w: jnp.sum(jnp.tanh(f(x, w)))
+    dx, dw = jax.grad(loss, argnums=(0, 1))(x, w)
+    np.testing.assert_array_equal(jax.grad(loss, argnums=0)(x, w), dx)
+    np.testing.assert_array_equal(jax.grad(loss, argnums=1)(x, w), dw)
+
+
 def test_float_path_is_ragged_dot(getkey):
     x, w, gs, _, _ = _problem(getkey())
     y = jax.jit(lambda x, w, gs: qragged_dot(x, w, gs, policy=None))(x, w, gs)
