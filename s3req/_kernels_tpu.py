@@ -40,12 +40,15 @@ so the terms are computed in the backward, when the layer needs them:
   temporaries over S3R, with the same live bytes at W1. `together` hands dX on only once the
   checked dW exists (`jax.lax.optimization_barrier`), for layers whose dW has terms, so
   that layer's dW sum and correction are done before the layers below it start: +0.1% at W1
-  and +0.2% at W2 (`benchmarks/tpu_compile.py`). What it costs: the compiler packs W9's block
-  with a larger hole (two-way +11.2% over S3R there, where it was +0.4%; its peak 2.6% below
-  S3R's), and on a TPU the dW sum of such a layer no longer overlaps with the backward of
-  the layers below it (the compiler's cost model, a model, moves by -5% to +0.7% on the
-  blocks; not timed on a TPU). Under `shard_map` the engine adds the terms before its own
-  shard sum, and nothing is tied.
+  and +0.2% at W2 (`benchmarks/tpu_compile.py`). What it costs, where two-way EC was within
+  +0.4% of S3R before: the schedule keeps 16.1 MiB more live at W3 and 87.8 MiB at W8 (+1.7%
+  and +3.7% temporaries), and W9's block has a hole of 227.5 MiB (+11.2% temporaries, its
+  live bytes 221.5 MiB below S3R's and its peak 2.6%; `benchmarks/tpu_packing.py`); on a
+  TPU the dW sum of such a layer no longer overlaps with the backward of the layers below
+  it (the compiler's cost model, a model, moves by -5% to +0.7% on the blocks; not timed
+  on a TPU). Under `shard_map` the engine adds the terms before its own shard sum, and
+  nothing is tied. The VJP computes only the gradients of the differentiated inputs
+  (`_backward.quantized_matmul`), so a frozen weight's dW is not kept alive by the tie.
 - *The sums of the codes over the tokens* (`Xq`'s, for the channel term) are a reduction
   over the tokens (the reference's): as an int8 product with a ones vector, XLA:TPU laid the
   `down` projection's codes out tokens-minor at W2 and kept a copy of its input in that

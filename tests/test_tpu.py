@@ -210,11 +210,8 @@ def test_v5p_s3r_memory_equals_rtne(layers):
 
 
 @needs_libtpu
-@pytest.mark.parametrize(
-    "name",
-    # PhiBcast's thresholds change only the quantizer: its variant is `slow` (suite time).
-    ["s3r-ec-2way", pytest.param("s3r-bcast-ec-2way", marks=pytest.mark.slow)],
-)
+@pytest.mark.slow  # suite time: the FFN block at W2 holds the same (1024, 4096) projections
+@pytest.mark.parametrize("name", ["s3r-ec-2way", "s3r-bcast-ec-2way"])
 def test_v5p_two_way_ec_memory(name):
     """Two-way EC needs at most 14% more temporaries than S3R on the layer of the TPU compile
     page (the TPU issue's target): the factors of its dW terms are summed over the chips
@@ -229,19 +226,25 @@ def test_v5p_two_way_ec_memory(name):
 
 
 @needs_libtpu
-def test_v5p_ffn_block_ec_memory():
-    """The SwiGLU FFN block at W6 (Table III's (4096, 12288), 16 x 4096 tokens over 4
-    chips), the compile page's program: dX-only EC within +5% and two-way within +14% of
-    S3R's temporaries (the TPU issue's targets). The row sums `Wq 1_D` are taken once the
-    codes exist and the dW terms' sums over the chips before the GEMMs
-    (`_kernels_tpu.after`, `sum_first`); before, dX-only needed +5.7% and two-way +39.5%."""
+@pytest.mark.parametrize(
+    "shape, policies",
+    [("W2", ("s3r", "s3r-ec-2way")), ("W6", ("s3r", "s3r-ec-dx", "s3r-ec-2way"))],
+)
+def test_v5p_ffn_block_ec_memory(shape, policies):
+    """The SwiGLU FFN block of the compile page (Table III's shapes, 16 x 4096 tokens over 4
+    chips): dX-only EC within +5% and two-way within +14% of S3R's temporaries (the TPU
+    issue's targets). At W6 the row sums `Wq 1_D` are taken once the codes exist and the
+    dW terms' sums over the chips before the GEMMs (`_kernels_tpu.after`, `sum_first`);
+    before, dX-only needed +5.7% and two-way +39.5%. At W2 a layer whose dW has terms hands
+    dX on only once dW exists (`_kernels_tpu.together`) and the codes' token sums are a
+    reduction; before, two-way needed +62.4%."""
     tc = _benchmark()
-    h, d = models.PAPER_FFN_SHAPES["W6"]
+    h, d = models.PAPER_FFN_SHAPES[shape]
     temps = {
-        p: tc.compile_ffn(p, tpu_mesh(), h, d, *tc.FFN_TOKENS).memory.temporaries
-        for p in ("s3r", "s3r-ec-dx", "s3r-ec-2way")
+        p: tc.compile_ffn(p, tpu_mesh(), h, d, *tc.FFN_TOKENS).memory.temporaries for p in policies
     }
-    assert temps["s3r-ec-dx"] <= 1.05 * temps["s3r"], temps
+    if "s3r-ec-dx" in temps:
+        assert temps["s3r-ec-dx"] <= 1.05 * temps["s3r"], temps
     assert temps["s3r-ec-2way"] <= 1.14 * temps["s3r"], temps
 
 
