@@ -504,7 +504,6 @@ def test_digits_dot_precision(getkey):
         assert np.all(np.abs(got[0] - want) <= bound), (n, got, want)
 
 
-# float32 activations run with -m slow (24 s here); bfloat16 runs the same transforms.
 @pytest.mark.parametrize("policy", [Policy(Nearest()), Policy(Phi2D(), TwoWayEC())], ids=policy_id)
 def test_a_gradient_not_asked_for_is_not_computed(policy, getkey):
     """Differentiating x alone (frozen weights) or w alone gives the gradient that
@@ -519,12 +518,13 @@ def test_a_gradient_not_asked_for_is_not_computed(policy, getkey):
 
     def products(argnums) -> set:
         eqns = dot_eqns(jax.grad(loss, argnums), x, w)
-        return {tuple(v.aval.shape) for e in eqns for v in e.outvars}
+        return {tuple(v.aval.shape) for e in eqns for v in e.outvars}  # pyright: ignore
 
     assert {(2, 8, 16), (16, 32)} <= products((0, 1))
     assert (16, 32) not in products(0) and (2, 8, 16) not in products(1)
 
 
+# float32 activations run with -m slow (24 s here); bfloat16 runs the same transforms.
 @pytest.mark.parametrize(
     "dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow), jnp.bfloat16]
 )
