@@ -159,7 +159,11 @@ def _facts(prog: TPUProgram, layer_macs: int | None = None) -> dict:
     return s
 
 
-def compile_layer(name: str, mesh, B: int, S: int, H: int, D: int) -> TPUProgram:
+def compile_layer(
+    name: str, mesh, B: int, S: int, H: int, D: int, frozen: bool = False
+) -> TPUProgram:
+    """One qdot forward + backward, the batch split over `mesh`; `frozen`: the VJP in `x`
+    alone (the weights not differentiated)."""
     policy = _policy(name)
     batch = NamedSharding(mesh, P("data"))
     x = jax.ShapeDtypeStruct((B, S, H), jnp.bfloat16, sharding=batch)
@@ -168,7 +172,10 @@ def compile_layer(name: str, mesh, B: int, S: int, H: int, D: int) -> TPUProgram
     key = jax.ShapeDtypeStruct((), jr.key(0).dtype)
 
     def fwd_bwd(x, w, g, key):
-        y, vjp = jax.vjp(lambda x, w: qdot(x, w, policy=policy, key=key), x, w)
+        if frozen:
+            y, vjp = jax.vjp(lambda x: qdot(x, w, policy=policy, key=key), x)
+        else:
+            y, vjp = jax.vjp(lambda x, w: qdot(x, w, policy=policy, key=key), x, w)
         return y, vjp(g)
 
     return compile_for_tpu(fwd_bwd, x, w, g, key, mesh=mesh, upstream=[g])

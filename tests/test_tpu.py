@@ -15,8 +15,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import models
 import s3req.tpu
-from policies import PRESETS
-from s3req import qdot
 from s3req.tpu import compile_for_tpu, HloTensor, parse_gemms, tpu_mesh
 from s3req.tpu._hlo import program_structure
 
@@ -230,28 +228,16 @@ def test_v5p_two_way_ec_memory(name):
 @needs_libtpu
 def test_v5p_frozen_weights_compute_no_dw():
     """On the layer of the compile page with the weights frozen (the VJP taken in x alone),
-    two-way EC's TPU program has one integer GEMM, dX's: the VJP computes only the gradients
+    two-way EC's TPU backward has one integer GEMM, dX's: the VJP computes only the gradients
     asked for, so the tie of dX to dW (`_kernels_tpu.together`) does not keep an unused dW.
     Differentiating both keeps the dW GEMM (so the count can fail)."""
-    Bl, Sl, Hl, Dl = _benchmark().LAYER
-    policy = PRESETS["s3r-ec-2way"]
-    mesh = tpu_mesh()
-    batch = NamedSharding(mesh, PartitionSpec("data"))
-    x = jax.ShapeDtypeStruct((Bl, Sl, Hl), jnp.bfloat16, sharding=batch)
-    w = jax.ShapeDtypeStruct((Hl, Dl), jnp.float32)
-    g = jax.ShapeDtypeStruct((Bl, Sl, Dl), jnp.bfloat16, sharding=batch)
-    key = jax.ShapeDtypeStruct((), jr.key(0).dtype)
-
-    def dx_only(x, w, g, key):
-        return jax.vjp(lambda x: qdot(x, w, policy=policy, key=key), x)[1](g)
-
-    def dx_dw(x, w, g, key):
-        return jax.vjp(lambda x, w: qdot(x, w, policy=policy, key=key), x, w)[1](g)
-
-    frozen = compile_for_tpu(dx_only, x, w, g, key, mesh=mesh, upstream=[g])
-    both = compile_for_tpu(dx_dw, x, w, g, key, mesh=mesh, upstream=[g])
-    assert len(frozen.integer_gemms()) == 1, frozen.integer_gemms()
-    assert len(both.integer_gemms()) == 2, both.integer_gemms()
+    tc, mesh = _benchmark(), tpu_mesh()
+    frozen, both = (
+        tc.compile_layer("s3r-ec-2way", mesh, *tc.LAYER, frozen=f) for f in (True, False)
+    )
+    backward = lambda prog: [gm for gm in prog.integer_gemms() if gm.backward]
+    assert len(backward(frozen)) == 1, backward(frozen)
+    assert len(backward(both)) == 2, backward(both)
 
 
 @needs_libtpu
