@@ -67,6 +67,7 @@ def _row(prog) -> dict:
         "live": pk.live,
         "hole": pk.hole,
         "live_at": pk.live_at,
+        "in_outputs": pk.in_outputs,
         "top": [dataclasses.asdict(t) for t in pk.top],
         "commit": tc._commit(),
         "compile_seconds": prog.compile_seconds,
@@ -279,15 +280,16 @@ def _step_label(preset: str) -> str:
 
 def _steps_table(steps: dict) -> list[str]:
     out = [
-        "| model | layers | policy | temporaries | heap | live | hole | peak | peak - live | "
-        "busiest instruction | commit |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+        "| model | layers | policy | temporaries | heap | live | hole | in outputs | peak | "
+        "peak - live | busiest instruction | commit |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for m, R in steps.items():
         for p, r in R["policies"].items():
+            held = _mib(r["in_outputs"]) if "in_outputs" in r else "—"
             out.append(
                 f"| {m} | {R['n_layers']} | {p} | {_mib(r['temporaries'])} | {_mib(r['heap'])} "
-                f"| {_mib(r['live'])} | {_mib(r['hole'])} | {_mib(r['peak'])} | "
+                f"| {_mib(r['live'])} | {_mib(r['hole'])} | {held} | {_mib(r['peak'])} | "
                 f"{_mib(r['peak'] - r['live'])} | `{r['live_at']}` | `{r['commit']}` |"
             )
     return out
@@ -310,6 +312,13 @@ def _changes_section(m: str, p: str, a: dict, b: dict) -> list[str]:
         f"**{m}, {p} over S3R**: live {_signed(b['live'] - a['live'])} MiB, peak "
         f"{_signed(b['peak'] - a['peak'])} MiB; "
     )
+    if "in_outputs" in a and "in_outputs" in b:
+        held = b["in_outputs"] - a["in_outputs"]
+        head += (
+            f"in the outputs' buffers {_signed(held)} MiB, so the temporaries live at the "
+            f"busiest instruction (block and outputs' buffers) "
+            f"{_signed(b['live'] + b['in_outputs'] - a['live'] - a['in_outputs'])} MiB; "
+        )
     if not changes and not rest:
         return [
             head + "the same buffers (shapes and operations) are live at the busiest instruction."
@@ -351,7 +360,11 @@ def _steps_section(steps: dict) -> list[str]:
         "by shape and the JAX operation that made them (op names without `"
         + STEP_PREFIX
         + "`; steps are positions in XLA's schedule, which differs between "
-        "policies).",
+        "policies). in outputs: the temporaries live there that the compiler placed in "
+        "buffers of the program's outputs not yet written (`BufferPacking.in_outputs`; — "
+        "for rows compiled before it was recorded): they take no bytes of the block, so a "
+        "buffer that one policy's program holds there and another's in the block raises "
+        "the other's live bytes and peak without more temporaries being live.",
         "",
         *_steps_table(steps),
         "",
