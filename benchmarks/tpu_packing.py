@@ -301,6 +301,14 @@ def _inside(c: dict) -> bool:
     return "shard_map" in c["made_by"]
 
 
+def _change_row(c: dict) -> str:
+    """A row of a table of `group_changes`."""
+    return (
+        f"| {_signed(c['change'])} | {c['counts'][0]}, {c['counts'][1]} | `{c['shape']}` "
+        f"| {c['made_by']} | {c['steps']}-{c['to']} |"
+    )
+
+
 def _changes_section(m: str, p: str, a: dict, b: dict) -> list[str]:
     changes, rest = group_changes(a["busiest"], b["busiest"])
     shown = changes[:SHOWN_GROUPS]
@@ -324,7 +332,7 @@ def _changes_section(m: str, p: str, a: dict, b: dict) -> list[str]:
             head + "the same buffers (shapes and operations) are live at the busiest instruction."
         ]
     lines = [
-        head + f"the buffers live at the busiest instruction {_signed(total)} MiB in size, "
+        head + f"the block's buffers live there {_signed(total)} MiB in size, "
         f"{_signed(new)} MiB of it in groups that only one of the two holds there, "
         f"{_signed(inside)} MiB made inside the MoE block's `shard_map` (routing and expert "
         "GEMMs), "
@@ -333,14 +341,23 @@ def _changes_section(m: str, p: str, a: dict, b: dict) -> list[str]:
         "| change (MiB) | buffers (S3R, " + p + ") | shape | made by | steps |",
         "| ---: | ---: | --- | --- | --- |",
     ]
-    for c in shown:
-        lines.append(
-            f"| {_signed(c['change'])} | {c['counts'][0]}, {c['counts'][1]} | `{c['shape']}` "
-            f"| {c['made_by']} | {c['steps']}-{c['to']} |"
-        )
+    lines += [_change_row(c) for c in shown]
     if len(changes) > SHOWN_GROUPS:
         lines.append(f"| {_signed(others)} | | {len(changes) - SHOWN_GROUPS} other groups | | |")
     lines.append(f"| {_signed(rest)} | | groups under {GROUP_FLOOR // 1024} KiB | | |")
+    if "busiest_in_outputs" in a and "busiest_in_outputs" in b:
+        moved, moved_rest = group_changes(a["busiest_in_outputs"], b["busiest_in_outputs"])
+        if moved or moved_rest:
+            lines += [
+                "",
+                "In the outputs' buffers there:",
+                "",
+                "| change (MiB) | buffers (S3R, " + p + ") | shape | made by | steps |",
+                "| ---: | ---: | --- | --- | --- |",
+                *(_change_row(c) for c in moved[:SHOWN_GROUPS]),
+                f"| {_signed(moved_rest + sum(c['change'] for c in moved[SHOWN_GROUPS:]))} "
+                "| | the rest | | |",
+            ]
     return lines
 
 
@@ -492,7 +509,10 @@ def main(argv: list[str] | None = None) -> dict:
                 m.update({"preset": preset, "n_layers": cfg.n_layers})
                 assert prog.packing is not None
                 # `top` is left out: the page shows the busiest buffers of a step, not its hole
-                r: dict = _row(prog) | {"busiest": busiest_groups(prog.packing.busiest)}
+                r: dict = _row(prog) | {
+                    "busiest": busiest_groups(prog.packing.busiest),
+                    "busiest_in_outputs": busiest_groups(prog.packing.busiest_in_outputs),
+                }
                 del r["top"]
                 m.setdefault("policies", {})[p] = r
                 data["meta"] = tc._meta(prog.device_kind)
@@ -502,6 +522,7 @@ def main(argv: list[str] | None = None) -> dict:
                     f"hole {_mib(r['hole'])} peak {_mib(r['peak'])} MiB",
                     flush=True,
                 )
+                print("\n".join(_explain(prog.packing)), flush=True)
     if data:
         tc._save(out, "tpu_packing", data, markdown)
     return data

@@ -88,6 +88,15 @@ def test_buffer_packing_counts_the_temporaries_in_the_outputs_buffers():
     assert (pk.live, pk.live_at) == (3 * MiB, "b")
     assert pk.in_outputs == 4 * MiB
     assert buffer_packing(_ASSIGNMENT, _LIVE).in_outputs == 0
+    # with the HLO, which temporaries those are (`e`; `f` shares its bytes, counted once)
+    hlo = "".join(f'  %{n} = f32[8] add(), metadata={{op_name="jit(f)/{n}"}}\n' for n in "efgor")
+    pk = buffer_packing(text, _LIVE.replace("    v{}:0-3\n", "    v{}:0-3\n" + ranges), hlo)
+    assert pk.in_outputs == 4 * MiB
+    assert [(b.name, b.size, b.offset, b.op_name) for b in pk.busiest_in_outputs] == [
+        ("e{}", 4 * MiB, 0, "jit(f)/e"),
+        ("f{0}", MiB, 0, "jit(f)/f"),
+    ]
+    assert "e{}" not in {b.name for b in pk.busiest}
 
 
 # A hole made by a small buffer: `a` (2 MiB at 0) dies at step 0, `s` (64 KiB) is placed at
@@ -345,7 +354,7 @@ def test_busiest_groups_and_their_changes_add_up():
     total = sum(x.size for x in b) - sum(x.size for x in a)
     assert sum(c["change"] for c in changes) + rest == total
 
-    def row(groups, live):
+    def row(groups, live, held=None, held_buffers=()):
         return {
             "temporaries": 3 * live,
             "peak": live + 100 * MiB,
@@ -356,7 +365,15 @@ def test_busiest_groups_and_their_changes_add_up():
             "top": [],
             "commit": "abc1234",
             "busiest": groups,
-        }
+        } | (
+            {}
+            if held is None
+            else {"in_outputs": held, "busiest_in_outputs": tp.busiest_groups(held_buffers)}
+        )
+
+    codes = _heap_buffer(
+        "c.6{}", "s8[64,2048,704]{1,2,0}", 88 * MiB, 15, 99, step + "shard_map/convert"
+    )
 
     live = sum(x.size for x in a)
     data = {
@@ -364,7 +381,11 @@ def test_busiest_groups_and_their_changes_add_up():
             "DeepSeek-V2-Lite": {
                 "preset": "deepseek-v2-lite",
                 "n_layers": 1,
-                "policies": {"s3r": row(ga, live), "s3r-ec-2way": row(gb, live + total)},
+                # S3R holds the 88 MiB group in an output's buffer, two-way in the block
+                "policies": {
+                    "s3r": row(ga, live, 88 * MiB, [codes]),
+                    "s3r-ec-2way": row(gb, live + total, 0),
+                },
             },
             "Qwen3-30B-A3B": {
                 "preset": "qwen3-30b-a3b",
@@ -381,13 +402,25 @@ def test_busiest_groups_and_their_changes_add_up():
         "**Qwen3-30B-A3B, s3r-ec-2way over S3R**: live +0.0 MiB, peak +0.0 MiB; the same "
         "buffers (shapes and operations) are live at the busiest instruction." in section
     )
+    # rows compiled before `in_outputs` was recorded show none
+    assert "| Qwen3-30B-A3B | 1 | s3r | " in section
+    assert [c.strip() for c in section.split("| Qwen3-30B-A3B | 1 | s3r | ")[1].split("|")][
+        4
+    ] == "—"
     section = section.split("**Qwen3-30B-A3B")[0]
     assert (
-        "**DeepSeek-V2-Lite, s3r-ec-2way over S3R**: live +151.9 MiB, peak +151.9 MiB" in section
+        "**DeepSeek-V2-Lite, s3r-ec-2way over S3R**: live +151.9 MiB, peak +151.9 MiB; in the "
+        "outputs' buffers -88.0 MiB, so the temporaries live at the busiest instruction (block "
+        "and outputs' buffers) +63.9 MiB;" in section
     )
     # 88 MiB of a group S3R does not hold there, made inside the expert GEMMs' shard_map
     assert "+88.0 MiB of it in groups that only one of the two holds there" in section
     assert "+88.0 MiB made inside the MoE block's `shard_map` (routing and expert" in section
+    section, outputs = section.split("In the outputs' buffers there:")
+    assert outputs.split("\n\n")[1].splitlines()[2:] == [
+        "| -88.0 | 1, 0 | `s8[64,2048,704]` | transpose(jvp())/shard_map/convert | 15-99 |",
+        "| +0.0 | | the rest | | |",
+    ]
     rows = [line for line in section.splitlines() if re.match(r"\| [+-]\d", line)]
     assert rows[0].startswith(
         "| +88.0 | 0, 1 | `s8[64,2048,704]` | transpose(jvp())/shard_map/reduce_sum"

@@ -52,6 +52,11 @@ class BufferPacking:
     """The buffers live at `live_at`, largest first; empty without the program's HLO. Their
     sizes add up to `live` where no two of them share bytes (values of one tuple may), so
     two programs' `busiest` say which buffers make the difference of their live bytes."""
+    busiest_in_outputs: tuple["HeapBuffer", ...] = ()
+    """The temporaries `in_outputs` counts, largest first (each `offset` is in its output's
+    buffer, not in the block); empty without the program's HLO. A buffer that one program
+    holds here and another in the block (`busiest`) is a difference of placement, not of
+    bytes live."""
 
     @property
     def hole(self) -> int:
@@ -68,7 +73,8 @@ class HeapBuffer:
 
     - `name`: the HLO value (instruction name, and the tuple index of a multi-output one).
     - `shape`: its HLO shape with layout.
-    - `offset`, `size`: its bytes in the block.
+    - `offset`, `size`: its bytes in the block (in its output's buffer, for
+      `BufferPacking.busiest_in_outputs`).
     - `first`, `last`: the steps of the program where it is defined and last used (both
       included), with `first_instruction` and `last_instruction` the instructions there.
     - `op_name`: the JAX operation it comes from (the `op_name` of the HLO metadata of the
@@ -266,22 +272,23 @@ def buffer_packing(
         if occupied > live:
             live, live_at = occupied, t
     # Temporaries in the outputs' buffers at `live_at` (each buffer's bytes counted once).
-    in_outputs = sum(
-        _occupied(
-            [
-                (offset, offset + size)
-                for name, (offset, size, _) in a.values.items()
-                if name in ranges and ranges[name][0] <= live_at <= ranges[name][1] < len(steps)
-            ]
-        )
+    held = [
+        {
+            name: v
+            for name, v in a.values.items()
+            if name in ranges and ranges[name][0] <= live_at <= ranges[name][1] < len(steps)
+        }
         for a in _output_buffers(allocations)
-    )
-    top, busiest = (), ()
+    ]
+    in_outputs = sum(_occupied([(o, o + n) for o, n, _ in h.values()]) for h in held)
+    top, busiest, busiest_in_outputs = (), (), ()
     if hlo:
         ops = _op_names(hlo)
         step = lambda t: steps[t] if t < len(steps) else ""
-        buffers = [
-            HeapBuffer(
+        by_size = lambda bs: tuple(sorted(bs, key=lambda b: (-b.size, b.offset)))
+
+        def buffer(name: str, offset: int, size: int, shape: str) -> HeapBuffer:
+            return HeapBuffer(
                 name=name,
                 shape=shape,
                 offset=offset,
@@ -292,10 +299,10 @@ def buffer_packing(
                 last_instruction=step(ranges[name][1]),
                 op_name=ops.get(name.split("{")[0], ""),
             )
-            for name, (offset, size, shape) in values.items()
-        ]
-        at = [b for b in buffers if b.first <= live_at <= b.last]
-        busiest = tuple(sorted(at, key=lambda b: (-b.size, b.offset)))
+
+        buffers = [buffer(name, *v) for name, v in values.items()]
+        busiest = by_size(b for b in buffers if b.first <= live_at <= b.last)
+        busiest_in_outputs = by_size(buffer(name, *v) for h in held for name, v in h.items())
         if heap > live:
             top = _top(buffers, live, min_size)
     return BufferPacking(
@@ -305,6 +312,7 @@ def buffer_packing(
         in_outputs=in_outputs,
         top=top,
         busiest=busiest,
+        busiest_in_outputs=busiest_in_outputs,
     )
 
 
