@@ -222,6 +222,28 @@ def test_v5p_packing_of_a_layer():
     assert max(b.first for b in pk.busiest) <= min(b.last for b in pk.busiest)  # one step
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason='libtpu is not installed (pip install "s3req[tpu]"): no TPU compiles',
+)
+def test_v5p_training_step_holds_temporaries_in_its_outputs():
+    """A training step (the tiny preset's, Table IV's step builder) holds temporaries in the
+    buffers of its outputs at the busiest instruction: `busiest_in_outputs` lists them,
+    largest first, each live there, none of them in the block's `busiest`, their sizes
+    adding up to at least `in_outputs` (values of one tuple may share bytes)."""
+    tc = _packing_page_module().tc
+    mesh = tpu_mesh({"fsdp": 2, "tp": 2})
+    prog, _, _ = tc.compile_step("s3r-ec-2way", mesh, "tiny", 1, 40, 3, buffers=True)
+    pk = prog.packing
+    assert pk is not None and 0 < pk.in_outputs <= prog.memory.outputs
+    held = pk.busiest_in_outputs
+    sizes = [b.size for b in held]
+    assert sizes == sorted(sizes, reverse=True) and sum(sizes) >= pk.in_outputs
+    step = max(b.first for b in pk.busiest)  # the busiest instruction's step
+    assert all(b.first <= step <= b.last for b in held)
+    assert not {b.name for b in held} & {b.name for b in pk.busiest}
+
+
 def _packing_page_module():
     import pathlib
     import sys
