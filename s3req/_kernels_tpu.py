@@ -432,12 +432,40 @@ def row_chunks(
     """`fn(take, sizes)`, values of some rows of an expert GEMM computed from `take` (which
     cuts those rows out of an array over all `n` rows) and their group sizes `sizes`, for
     every chunk of `c = row_chunk(n)` rows, every leaf stacked over the chunks on a new
-    leading axis (`jax.lax.map`: outputs over the rows are written in place into one array;
-    with one chunk, `c = n`, a loop of one step)."""
+    leading axis: a loop over the chunks writes each chunk's values in place into one array
+    per leaf (with one chunk, `c = n`, a loop of one step).
+
+    The loop starts at a chunk XLA cannot compute at compile time (chunk 0, behind
+    `jax.lax.optimization_barrier`), so XLA cannot prove that it overwrites the whole
+    output: where it can, XLA:TPU allocates that output as an `AllocateBuffer`, which
+    depends on nothing, and scheduled it at the start of the layer's backward (in Table IV's
+    DeepSeek-V2-Lite step, the `down` GEMM's gradient codes, 384 MiB per chip, held through
+    the recomputed forward). Here the output is a zeros array made beside the loop, which
+    costs one write of it."""
     c = row_chunk(n)
+    k = n // c
 
     def chunk(lo):
         take = lambda v: jax.lax.dynamic_slice_in_dim(v, lo, c)
         return fn(take, chunk_group_sizes(group_sizes, lo, lo + c))
 
-    return jax.lax.map(chunk, jnp.arange(0, n, c, dtype=_I32))
+    first = jax.lax.optimization_barrier(jnp.zeros((), _I32))
+
+    def step(i, out):
+        i = (first + i) % k
+        values = chunk(i * c)
+        return jax.tree.map(
+            lambda o, v: jax.lax.dynamic_update_index_in_dim(o, v, i, 0), out, values
+        )
+
+    out = jax.tree.map(lambda v: _zeros((k, *v.shape), v), jax.eval_shape(chunk, first))
+    return jax.lax.fori_loop(0, k, step, out)
+
+
+def _zeros(shape: tuple[int, ...], like: jax.ShapeDtypeStruct) -> Array:
+    """Zeros of `shape` and `like`'s dtype, varying over the mesh axes `like` varies over
+    inside `jax.shard_map` (a loop's output must have its values' type)."""
+    zeros = jnp.zeros(shape, like.dtype)
+    manual = like.manual_axis_type
+    axes = () if manual is None else tuple(manual.varying)
+    return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros

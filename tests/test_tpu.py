@@ -361,6 +361,46 @@ def test_v5p_expert_gemm_on_explicit_axes_runs_per_chip():
     assert 2 * temps["explicit"] < temps["jit"], temps
 
 
+@needs_libtpu
+def test_v5p_expert_gemm_chunk_outputs_are_made_by_their_loop(monkeypatch):
+    """An expert GEMM computed in chunks of rows (`_kernels_tpu.row_chunks`, here 4 chunks of
+    1024 rows) writes each loop's output into an array XLA:TPU creates as zeros with the
+    loop, not as an `AllocateBuffer` (which depends on nothing, so XLA placed it at the
+    start of the layer's backward: the loop's docstring). A loop XLA can prove overwrites
+    its whole output (`jax.lax.map`) gets one for each of its outputs here."""
+    from policies import Phi2D, Policy, TwoWayEC
+    from s3req import _kernels_tpu, qragged_dot
+
+    monkeypatch.setattr(_kernels_tpu, "ROW_CHUNK", 1024)
+    n, h, d, E = 4096, 256, 512, 8
+    assert _kernels_tpu.row_chunk(n) == 1024
+    policy, groups = Policy(Phi2D(), TwoWayEC()), jnp.full((E,), n // E, jnp.int32)
+    rows = jnp.arange(n, dtype=jnp.int32)
+
+    def grads(x, w, key, g):
+        gemm = lambda x, w: qragged_dot(
+            x,
+            w,
+            groups,
+            policy=policy,
+            key=key,
+            row_id=rows,
+            example_id=rows // 1024,
+            num_examples=4,
+        )
+        return jax.vjp(gemm, x, w)[1](g)
+
+    S = jax.ShapeDtypeStruct
+    args = (S((n, h), jnp.bfloat16), S((E, h, d), jnp.float32), S((), jr.key(0).dtype))
+    prog = compile_for_tpu(grads, *args, S((n, d), jnp.bfloat16), mesh=tpu_mesh())
+    allocated = re.findall(
+        r"= (\S+) custom-call\(\), custom_call_target=\"AllocateBuffer\"", prog.hlo
+    )
+    stacked = [t for t in prog.buffers() if t.shape[:2] == (4, 1024)]
+    assert stacked, "no loop over the 4 chunks"
+    assert not allocated, allocated
+
+
 # Trailing (h, d) of expert weights and their gradients: DeepSeek-V2-Lite's gate/up and down
 # experts per chip (tp=2), Qwen3-30B-A3B's, and the other cases of the rule.
 LAYOUT_SHAPES = [
