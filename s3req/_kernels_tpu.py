@@ -100,8 +100,8 @@ scale-folded gradient `G' = s_x G s_w` is a float32 array of that size too, and 
 of every row's `s_w[expert]` that forms it another. So an expert GEMM computes `Y`, dX
 with its correction, and in the backward the passes over `G'` (`max|G'|`, the codes, the
 row sums of `E`; each forms `G'` again from the chunk of `G`, the engine's `_Folded`) in
-chunks of at most `ROW_CHUNK` rows (`row_chunks`, a `jax.lax.map` whose chunks XLA writes
-in place into one output array; the engine's `AbstractLayer.over_rows` and `by_rows`):
+chunks of at most `ROW_CHUNK` rows (`row_chunks`, a loop whose chunks XLA writes in place
+into one output array, made with the loop; the engine's `AbstractLayer.over_rows` and `by_rows`):
 per chunk the GEMM over the chunk's group sizes, the
 rescaling or the correction, the sum over the `tp` shards, and the cast to x's dtype (the
 engine's `backward` divides dX by `s_x` and casts it by rows, so the loop writes bfloat16
