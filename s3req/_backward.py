@@ -266,7 +266,8 @@ class Dense(AbstractLayer):
     (`HIGHEST`: TPU's default precision would round the means to bf16). XLA:TPU reads the
     int8 operand of an `f32 x s8` product as it is; on XLA:CPU they run on int8 digits of
     the means (`_kernels_cpu.digits_dot`). On TPU the factors of the dW terms are summed
-    over the chips before the GEMMs (`_kernels_tpu.sum_first`), the row sums `Wq 1_D`
+    over the chips before the GEMMs (`_kernels_tpu.sum_first`), `Xq^T eps` read from the
+    codes (`_kernels_tpu.token_dw`), the row sums `Wq 1_D`
     taken once the codes exist (`_kernels_tpu.after`), and where dW has error-correction
     terms dX is handed on only once dW exists (`_kernels_tpu.together`). On CUDA the dX GEMM
     reads its codes as plain operands (`_kernels_gpu.plain_operands`), outside `shard_map`.
@@ -380,6 +381,9 @@ class Dense(AbstractLayer):
                 xq,
                 eps,
                 cpu=_kernels_cpu.token_dw,
+                # Inside `shard_map` one barrier over both would make `eps` vary over the
+                # codes' mesh axes.
+                tpu=None if self._sharded else _kernels_tpu.token_dw,
             )
         return token, self.segment_sums(xq) if segments else None
 

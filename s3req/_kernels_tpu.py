@@ -49,6 +49,17 @@ so the terms are computed in the backward, when the layer needs them:
   on a TPU). Under `shard_map` the engine adds the terms before its own shard sum, and
   nothing is tied. The VJP computes only the gradients of the differentiated inputs
   (`_backward.quantized_matmul`), so a frozen weight's dW is not kept alive by the tie.
+- *The token term's factor `Xq^T eps` from the codes* (`token_dw`). As a product of `eps`
+  with the codes, XLA:TPU fused the quantizer that makes `Xq` into it and quantized the
+  layer's input again there: in Table IV's DeepSeek-V2-Lite step (1-layer cut) it kept a
+  float32 input `f32[8, 4096, 1024]` (128 MiB per chip) from the recomputed forward to the
+  backward, and two-way EC needed 15165 MiB of temporaries and a peak of 16937 against
+  S3R's 14333 and 16293. With `eps` and `Xq` through one `jax.lax.optimization_barrier`
+  the product reads the int8 codes once `eps` exists: 14773 and 16752. (A barrier on `Xq`
+  alone removed the float32 input too, but XLA packed the rest less well: 15253 and
+  16848.) Llama 3.1-8B's and Qwen3-30B-A3B's 1-layer steps are the same within 0.1 MiB
+  either way. Outside `shard_map` only (inside it the barrier would make `eps` vary over the
+  codes' mesh axes).
 - *The sums of the codes over the tokens* (`Xq`'s, for the channel term) are a reduction
   over the tokens (the reference's): as an int8 product with a ones vector, XLA:TPU laid the
   `down` projection's codes out tokens-minor at W2 and kept a copy of its input in that
@@ -181,6 +192,7 @@ from ._gemms import (
     check_sum_terms,
     chunk_group_sizes,
     digit_weights,
+    dot,
     HIGHEST,
     int8_digits,
     ragged,
@@ -331,6 +343,16 @@ def _replicated(v: Float[Array, "n ..."]) -> Float[Array, "n ..."]:
     all-reduce of `v`'s size), so every chip holds all of `v`."""
     eye = jnp.eye(v.shape[0], dtype=_F32)
     return jnp.tensordot(eye, v, axes=1, precision=HIGHEST)
+
+
+def token_dw(xq: Int8[Array, "b s h"], eps: Float[Array, "b s"]) -> Float[Array, "h 1"]:
+    """`Xq^T eps`, the token term's factor of a dense layer's dW, from the codes as they are:
+    `eps` and `Xq` pass one `jax.lax.optimization_barrier` first, so the product reads the
+    int8 codes once `eps` exists. Without it, XLA:TPU may fuse the quantizer that makes `Xq`
+    into this product and quantize the layer's input again there, keeping that float input
+    from the forward to the backward (the module's docstring)."""
+    eps, xq = jax.lax.optimization_barrier((eps, xq))
+    return dot(eps, xq, ((0, 1), (0, 1)), precision=HIGHEST)[:, None]
 
 
 def after(v: Array, q: Array) -> Array:
