@@ -58,7 +58,9 @@ so the terms are computed in the backward, when the layer needs them:
   the product reads the int8 codes once `eps` exists: 14773 and 16752. (A barrier on `Xq`
   alone removed the float32 input too, but XLA packed the rest less well: 15253 and
   16848.) Llama 3.1-8B's and Qwen3-30B-A3B's 1-layer steps (`benchmarks/tpu_compile.py
-  --parts table4 --layers 1`) are the same within 0.1 MiB either way. Outside `shard_map` only (inside it the barrier would make `eps` vary over the
+  --parts table4 --layers 1`) are the same within 0.1 MiB either way; on the FFN blocks
+  the barrier costs +15.7 MiB at W3 (two-way +1.7% -> +3.1% temporaries over S3R) and
+  changes the others by at most 1.1 MiB. Outside `shard_map` only (inside it the barrier would make `eps` vary over the
   codes' mesh axes).
 - *The sums of the codes over the tokens* (`Xq`'s, for the channel term) are a reduction
   over the tokens (the reference's): as an int8 product with a ones vector, XLA:TPU laid the
