@@ -50,18 +50,18 @@ so the terms are computed in the backward, when the layer needs them:
   nothing is tied. The VJP computes only the gradients of the differentiated inputs
   (`_backward.quantized_matmul`), so a frozen weight's dW is not kept alive by the tie.
 - *The token term's factor `Xq^T eps` from the codes* (`token_dw`). As a product of `eps`
-  with the codes, XLA:TPU fused the quantizer that makes `Xq` into it and quantized the
-  layer's input again there: in Table IV's DeepSeek-V2-Lite step (1-layer cut) it kept a
+  with the codes, XLA:TPU fuses the quantizer that makes `Xq` into it and quantizes the
+  layer's input again there: in Table IV's DeepSeek-V2-Lite step (1-layer cut) that keeps a
   float32 input `f32[8, 4096, 1024]` (128 MiB per chip) from the recomputed forward to the
-  backward, and two-way EC needed 15165 MiB of temporaries and a peak of 16937 against
-  S3R's 14333 and 16293. With `eps` and `Xq` through one `jax.lax.optimization_barrier`
-  the product reads the int8 codes once `eps` exists: 14773 and 16752. (A barrier on `Xq`
-  alone removed the float32 input too, but XLA packed the rest less well: 15253 and
-  16848.) Llama 3.1-8B's and Qwen3-30B-A3B's 1-layer steps (`benchmarks/tpu_compile.py
-  --parts table4 --layers 1`) are the same within 0.1 MiB either way; on the FFN blocks
-  the barrier costs +15.7 MiB at W3 (two-way +1.7% -> +3.1% temporaries over S3R) and
-  changes the others by at most 1.1 MiB. Outside `shard_map` only (inside it the barrier would make `eps` vary over the
-  codes' mesh axes).
+  backward. With `eps` and `Xq` through one `jax.lax.optimization_barrier` the product
+  reads the int8 codes once `eps` exists: two-way EC needs 14773 MiB of temporaries and a
+  peak of 16752 there, against 15165 and 16937 without it (S3R: 14333 and 16293; a barrier
+  on `Xq` alone: 15253 and 16848, the float32 input gone but the rest packed less well).
+  Llama 3.1-8B's and Qwen3-30B-A3B's 1-layer steps (`benchmarks/tpu_compile.py --parts
+  table4 --layers 1`) are the same within 0.1 MiB either way; on the FFN blocks the barrier
+  costs +15.7 MiB at W3 (two-way +1.7% -> +3.1% temporaries over S3R) and changes the
+  others by at most 1.1 MiB. Outside `shard_map` only (inside it the barrier would make
+  `eps` vary over the codes' mesh axes).
 - *The sums of the codes over the tokens* (`Xq`'s, for the channel term) are a reduction
   over the tokens (the reference's): as an int8 product with a ones vector, XLA:TPU laid the
   `down` projection's codes out tokens-minor at W2 and kept a copy of its input in that
