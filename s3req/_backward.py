@@ -267,7 +267,7 @@ class Dense(AbstractLayer):
     int8 operand of an `f32 x s8` product as it is; on XLA:CPU they run on int8 digits of
     the means (`_kernels_cpu.digits_dot`). On TPU the factors of the dW terms are summed
     over the chips before the GEMMs (`_kernels_tpu.sum_first`), `Xq^T eps` read from the
-    codes (`_kernels_tpu.token_dw`), the row sums `Wq 1_D`
+    codes (`_kernels_tpu.token_operands`), the row sums `Wq 1_D`
     taken once the codes exist (`_kernels_tpu.after`), and where dW has error-correction
     terms dX is handed on only once dW exists (`_kernels_tpu.together`). On CUDA the dX GEMM
     reads its codes as plain operands (`_kernels_gpu.plain_operands`), outside `shard_map`.
@@ -376,14 +376,17 @@ class Dense(AbstractLayer):
     def xq_sums(self, xq, eps, segments):
         token = None
         if eps is not None:
+            product = lambda xq, eps: _dot(eps, xq, ((0, 1), (0, 1)), precision=_HIGHEST)[:, None]
             token = _per_backend(
-                lambda xq, eps: _dot(eps, xq, ((0, 1), (0, 1)), precision=_HIGHEST)[:, None],
+                product,
                 xq,
                 eps,
                 cpu=_kernels_cpu.token_dw,
                 # Inside `shard_map` one barrier over both would make `eps` vary over the
                 # codes' mesh axes.
-                tpu=None if self._sharded else _kernels_tpu.token_dw,
+                tpu=None
+                if self._sharded
+                else lambda xq, eps: product(*_kernels_tpu.token_operands(xq, eps)),
             )
         return token, self.segment_sums(xq) if segments else None
 

@@ -49,7 +49,7 @@ so the terms are computed in the backward, when the layer needs them:
   on a TPU). Under `shard_map` the engine adds the terms before its own shard sum, and
   nothing is tied. The VJP computes only the gradients of the differentiated inputs
   (`_backward.quantized_matmul`), so a frozen weight's dW is not kept alive by the tie.
-- *The token term's factor `Xq^T eps` from the codes* (`token_dw`). As a product of `eps`
+- *The token term's factor `Xq^T eps` from the codes* (`token_operands`). As a product of `eps`
   with the codes, XLA:TPU fuses the quantizer that makes `Xq` into it and quantizes the
   layer's input again there: in Table IV's DeepSeek-V2-Lite step (1-layer cut) that keeps a
   float32 input `f32[8, 4096, 1024]` (128 MiB per chip) from the recomputed forward to the
@@ -194,7 +194,6 @@ from ._gemms import (
     check_sum_terms,
     chunk_group_sizes,
     digit_weights,
-    dot,
     HIGHEST,
     int8_digits,
     ragged,
@@ -347,14 +346,14 @@ def _replicated(v: Float[Array, "n ..."]) -> Float[Array, "n ..."]:
     return jnp.tensordot(eye, v, axes=1, precision=HIGHEST)
 
 
-def token_dw(xq: Int8[Array, "b s h"], eps: Float[Array, "b s"]) -> Float[Array, "h 1"]:
-    """`Xq^T eps`, the token term's factor of a dense layer's dW, from the codes as they are:
-    `eps` and `Xq` pass one `jax.lax.optimization_barrier` first, so the product reads the
-    int8 codes once `eps` exists. Without it, XLA:TPU may fuse the quantizer that makes `Xq`
-    into this product and quantize the layer's input again there, keeping that float input
-    from the forward to the backward (the module's docstring)."""
+def token_operands(xq: Int8[Array, "b s h"], eps: Float[Array, "b s"]) -> tuple[Array, Array]:
+    """`(xq, eps)`, neither before both exist (`jax.lax.optimization_barrier`), the operands
+    of a dense layer's token product `Xq^T eps`: the product then reads the int8 codes once
+    `eps` exists. Without it, XLA:TPU may fuse the quantizer that makes `Xq` into the
+    product and quantize the layer's input again there, keeping that float input from the
+    forward to the backward (the module's docstring)."""
     eps, xq = jax.lax.optimization_barrier((eps, xq))
-    return dot(eps, xq, ((0, 1), (0, 1)), precision=HIGHEST)[:, None]
+    return xq, eps
 
 
 def after(v: Array, q: Array) -> Array:
