@@ -55,8 +55,8 @@ so the terms are computed in the backward, when the layer needs them:
   float32 input `f32[8, 4096, 1024]` (128 MiB per chip) from the recomputed forward to the
   backward. With `eps` and `Xq` through one `jax.lax.optimization_barrier` the product
   reads the int8 codes once `eps` exists: two-way EC needs 14773 MiB of temporaries and a
-  peak of 16752 there, against 15165 and 16937 without it (S3R: 14333 and 16293; a barrier
-  on `Xq` alone: 15253 and 16848, the float32 input gone but the rest packed less well).
+  peak of 16752 there, against 15165 and 16937 without it (S3R: 14333 and 16293; the
+  packing page's two-way rows at `c68b4c1` and `283cdab`).
   Llama 3.1-8B's and Qwen3-30B-A3B's 1-layer steps (`benchmarks/tpu_compile.py --parts
   table4 --layers 1`) are the same within 0.1 MiB either way; on the FFN blocks the barrier
   costs +15.7 MiB at W3 (two-way +1.7% -> +3.1% temporaries over S3R) and changes the
